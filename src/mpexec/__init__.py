@@ -1,0 +1,50 @@
+"""mpexec: drive N worker processes from one driver.
+
+The driver broadcasts each call once through a shared-memory queue, the
+workers run it in lockstep, and the replies come back in call order.
+
+``import mpexec`` is cheap: the public names below are imported from their
+modules on first use (PEP 562), and nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "MpexecError": "mpexec.errors",
+    "QueueClosedError": "mpexec.errors",
+    "PeerDiedError": "mpexec.errors",
+    "WorkerError": "mpexec.errors",
+    "WorkerDiedError": "mpexec.errors",
+    "WorkerStartupError": "mpexec.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from mpexec.errors import (
+        MpexecError as MpexecError,
+        PeerDiedError as PeerDiedError,
+        QueueClosedError as QueueClosedError,
+        WorkerDiedError as WorkerDiedError,
+        WorkerError as WorkerError,
+        WorkerStartupError as WorkerStartupError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'mpexec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

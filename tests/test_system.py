@@ -1,0 +1,392 @@
+"""Unit tests of mpexec.system: start method, names, log prefixes, thread env, fds, CPUs."""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+import mpexec
+from mpexec import system
+
+SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=SRC_DIR)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+# ---------------------------------------------------------------- start method
+
+
+def test_get_mp_context_defaults_to_spawn() -> None:
+    assert system.get_mp_context().get_start_method() == "spawn"
+    assert system.get_mp_context(None).get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_get_mp_context_accepts_known_methods(method: str) -> None:
+    assert system.get_mp_context(method).get_start_method() == method
+
+
+@pytest.mark.parametrize("method", ["threads", "Spawn", "fork "])
+def test_get_mp_context_rejects_unknown_methods(method: str) -> None:
+    with pytest.raises(ValueError, match="start method"):
+        system.get_mp_context(method)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_maybe_force_spawn_leaves_non_fork_alone(method: str) -> None:
+    assert system.maybe_force_spawn(method) == method
+
+
+def test_maybe_force_spawn_keeps_fork_when_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(system, "running_thread_count", lambda: 1)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert system.maybe_force_spawn("fork") == "fork"
+
+
+def test_maybe_force_spawn_with_threads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, args=(30,), name="helper-thread")
+    helper.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+            assert system.maybe_force_spawn("fork") == "spawn"
+    finally:
+        stop.set()
+        helper.join(timeout=30)
+    assert "threads are running" in caplog.text
+    assert "helper-thread" in caplog.text
+
+
+def test_maybe_force_spawn_with_cuda_initialised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(system, "running_thread_count", lambda: 1)
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        assert system.maybe_force_spawn("fork") == "spawn"
+    assert "CUDA is already initialised" in caplog.text
+
+
+def test_running_thread_count_sees_this_thread() -> None:
+    assert system.running_thread_count() >= 1
+
+
+# ---------------------------------------------------------------- names
+
+ONE = (0, 1)
+
+NAME_CASES = [
+    # dp,     pp,     pcp,    tp,     dcp,    ep,     expected
+    (ONE, ONE, ONE, ONE, ONE, None, "Worker"),
+    (ONE, ONE, ONE, (1, 2), ONE, None, "Worker_TP1"),
+    (ONE, (1, 2), ONE, (0, 2), ONE, None, "Worker_PP1_TP0"),
+    ((0, 2), (2, 4), ONE, (3, 4), ONE, None, "Worker_DP0_PP2_TP3"),
+    ((1, 2), (1, 2), (1, 2), (1, 2), (1, 2), (5, 8), "Worker_DP1_PP1_PCP1_TP1_DCP1_EP5"),
+    (ONE, ONE, (1, 2), ONE, ONE, None, "Worker_PCP1"),
+    (ONE, ONE, ONE, (0, 2), (1, 2), None, "Worker_TP0_DCP1"),
+    (ONE, ONE, ONE, ONE, ONE, (0, 1), "Worker_EP0"),
+    (ONE, ONE, ONE, (3, 4), ONE, (3, 4), "Worker_TP3_EP3"),
+]
+
+
+@pytest.mark.parametrize(("dp", "pp", "pcp", "tp", "dcp", "ep", "expected"), NAME_CASES)
+def test_worker_process_name(
+    dp: tuple[int, int],
+    pp: tuple[int, int],
+    pcp: tuple[int, int],
+    tp: tuple[int, int],
+    dcp: tuple[int, int],
+    ep: tuple[int, int] | None,
+    expected: str,
+) -> None:
+    assert system.worker_process_name(dp=dp, pp=pp, pcp=pcp, tp=tp, dcp=dcp, ep=ep) == expected
+
+
+# ---------------------------------------------------------------- process title
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/comm")
+def test_set_process_title_in_child() -> None:
+    result = run_python(
+        """
+        import sys
+        sys.modules["setproctitle"] = None  # force the prctl path
+        from mpexec.system import set_process_title
+        set_process_title("Worker_TP1")
+        print(open("/proc/self/comm").read().strip())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "mpexec::Worker_TP1"[:15]
+
+
+def test_set_process_title_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(title: str) -> None:
+        raise OSError(errno.EPERM, "not allowed")
+
+    monkeypatch.setitem(sys.modules, "setproctitle", None)
+    monkeypatch.setattr(system, "_prctl_set_name", broken)
+    system.set_process_title("Worker")
+
+
+# ---------------------------------------------------------------- log prefixes
+
+
+def test_prefixed_stream_handles_partial_writes() -> None:
+    out = io.StringIO()
+    stream = system.PrefixedStream(out, "(W pid=1) ")
+    stream.write("hel")
+    stream.write("lo\nwor")
+    stream.write("ld\n")
+    stream.write("")
+    stream.write("a\nb\n\nc")
+    assert (
+        out.getvalue()
+        == "(W pid=1) hello\n(W pid=1) world\n(W pid=1) a\n(W pid=1) b\n(W pid=1) \n(W pid=1) c"
+    )
+
+
+def test_prefixed_stream_returns_length_and_delegates() -> None:
+    out = io.StringIO()
+    stream = system.PrefixedStream(out, "> ")
+    assert stream.write("abc\n") == 4
+    assert stream.getvalue() == "> abc\n"  # delegated to StringIO
+    stream.writelines(["x\n", "y"])
+    assert out.getvalue() == "> abc\n> x\n> y"
+
+
+def test_prefixed_stream_carriage_return_starts_a_line() -> None:
+    out = io.StringIO()
+    stream = system.PrefixedStream(out, "> ")
+    stream.write("10%\r20%\r")
+    assert out.getvalue() == "> 10%\r> 20%\r"
+
+
+def test_decorate_logs_prefixes_prints_and_logs() -> None:
+    result = run_python(
+        """
+        import logging, os, sys
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+        from mpexec.system import decorate_logs
+        decorate_logs("Worker_TP1")
+        print("part one, ", end="")
+        print("part two")
+        logging.getLogger("demo").info("first\\nsecond")
+        sys.stderr.write("raw err\\n")
+        decorate_logs("Worker_TP0")
+        print("after rename")
+        print("PID", os.getpid(), file=sys.__stdout__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    pid_line = result.stdout.strip().splitlines()[-1]
+    pid = pid_line.split()[1]
+    p1, p0 = f"(Worker_TP1 pid={pid}) ", f"(Worker_TP0 pid={pid}) "
+    assert result.stdout.splitlines()[:2] == [p1 + "part one, part two", p0 + "after rename"]
+    assert result.stderr.splitlines() == [p1 + "INFO first", p1 + "second", p1 + "raw err"]
+
+
+# ---------------------------------------------------------------- thread env
+
+
+@pytest.fixture
+def clean_thread_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for var in system.THREAD_ENV_VARS:
+        monkeypatch.setenv(var, "0")  # recorded, so the original is restored after
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(system, "_warned_thread_reduction", False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    return monkeypatch
+
+
+THREAD_VAR_CASES = [
+    # num_threads, environ,                       expected
+    (None, {}, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+    (4, {}, {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}),
+    (None, {"OMP_NUM_THREADS": "8"}, {}),
+    (4, {"OMP_NUM_THREADS": "8"}, {}),
+    (2, {"MKL_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "2"}),
+]
+
+
+@pytest.mark.parametrize(("num_threads", "environ", "expected"), THREAD_VAR_CASES)
+def test_thread_vars(
+    num_threads: int | None, environ: dict[str, str], expected: dict[str, str]
+) -> None:
+    assert system._thread_vars(num_threads, environ) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_thread_vars_rejects_non_positive(bad: int) -> None:
+    with pytest.raises(ValueError, match="num_threads"):
+        system._thread_vars(bad, {})
+
+
+def test_set_worker_thread_env_for_accelerators(
+    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[int] = []
+    fake_torch = types.SimpleNamespace(get_num_threads=lambda: 16, set_num_threads=calls.append)
+    clean_thread_env.setitem(sys.modules, "torch", fake_torch)
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        system.set_worker_thread_env(None)
+        clean_thread_env.delenv("OMP_NUM_THREADS")
+        system.set_worker_thread_env(None)
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["MKL_NUM_THREADS"] == "1"
+    assert calls == [1, 1]
+    warnings = [r for r in caplog.records if "set OMP_NUM_THREADS to tune" in r.getMessage()]
+    assert len(warnings) == 1  # once per process
+    assert "from 16 threads" in warnings[0].getMessage()
+
+
+def test_set_worker_thread_env_respects_user(
+    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clean_thread_env.setenv("OMP_NUM_THREADS", "6")
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        system.set_worker_thread_env(None)
+    assert os.environ["OMP_NUM_THREADS"] == "6"
+    assert "MKL_NUM_THREADS" not in os.environ
+    assert caplog.records == []
+
+
+def test_set_worker_thread_env_for_cpu_workers(
+    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        system.set_worker_thread_env(3)
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert caplog.records == []
+
+
+def test_worker_thread_env_is_temporary(clean_thread_env: pytest.MonkeyPatch) -> None:
+    with system.worker_thread_env(2) as applied:
+        assert applied == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+        assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert "OMP_NUM_THREADS" not in os.environ
+    assert "MKL_NUM_THREADS" not in os.environ
+
+
+def test_worker_thread_env_restores_after_error(clean_thread_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RuntimeError), system.worker_thread_env(None):
+        raise RuntimeError("start failed")
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_worker_thread_env_keeps_user_setting(clean_thread_env: pytest.MonkeyPatch) -> None:
+    clean_thread_env.setenv("OMP_NUM_THREADS", "5")
+    with system.worker_thread_env(2) as applied:
+        assert applied == {}
+        assert os.environ["OMP_NUM_THREADS"] == "5"
+    assert os.environ["OMP_NUM_THREADS"] == "5"
+
+
+# ---------------------------------------------------------------- descriptors
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_close_inherited_fds_closes_and_ignores_ebadf(caplog: pytest.LogCaptureFixture) -> None:
+    read_fd, write_fd = os.pipe()
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        system.close_inherited_fds([read_fd, write_fd])
+        system.close_inherited_fds([read_fd])  # already closed: EBADF, silent
+    assert not _is_open(read_fd)
+    assert not _is_open(write_fd)
+    assert caplog.records == []
+
+
+def test_close_inherited_fds_warns_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    closed: list[int] = []
+
+    def fake_close(fd: int) -> None:
+        if fd == 1001:
+            raise OSError(errno.EIO, "I/O error")
+        closed.append(fd)
+
+    monkeypatch.setattr(os, "close", fake_close)
+    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
+        system.close_inherited_fds([1001, 1002])
+    assert closed == [1002]
+    assert "1001" in caplog.text
+
+
+# ---------------------------------------------------------------- CPU affinity
+
+
+def test_apply_cpu_affinity_none_is_a_no_op() -> None:
+    system.apply_cpu_affinity(None)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_apply_cpu_affinity_to_current_set() -> None:
+    current = os.sched_getaffinity(0)
+    try:
+        system.apply_cpu_affinity(sorted(current))
+        assert os.sched_getaffinity(0) == current
+    finally:
+        os.sched_setaffinity(0, current)
+
+
+@pytest.mark.parametrize("cpus", [[10**6], [0, 10**6], [-1]])
+def test_apply_cpu_affinity_rejects_missing_cpus(cpus: list[int]) -> None:
+    with pytest.raises(ValueError, match="do not exist"):
+        system.apply_cpu_affinity(cpus)
+
+
+def test_apply_cpu_affinity_rejects_empty() -> None:
+    with pytest.raises(ValueError, match="at least one CPU"):
+        system.apply_cpu_affinity([])
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus", "ranges"),
+    [
+        ("0\n", {0}, "0"),
+        ("0-3\n", {0, 1, 2, 3}, "0-3"),
+        ("0-1,4,6-7\n", {0, 1, 4, 6, 7}, "0-1,4,6-7"),
+    ],
+)
+def test_cpu_range_round_trip(text: str, cpus: set[int], ranges: str) -> None:
+    assert system._parse_ranges(text) == cpus
+    assert system._ranges(cpus) == ranges
+
+
+def test_online_cpus_includes_ours() -> None:
+    if hasattr(os, "sched_getaffinity"):
+        assert os.sched_getaffinity(0) <= system.online_cpus()
+    else:
+        assert system.online_cpus()
