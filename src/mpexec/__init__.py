@@ -16,6 +16,11 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    "ExecutorConfig": "mpexec.config",
+    "ParallelConfig": "mpexec.config",
+    "SchedulerConfig": "mpexec.config",
+    "MessageQueue": "mpexec.ipc",
+    "Handle": "mpexec.ipc",
     "MpexecError": "mpexec.errors",
     "QueueClosedError": "mpexec.errors",
     "PeerDiedError": "mpexec.errors",
@@ -27,6 +32,11 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from mpexec.config import (
+        ExecutorConfig as ExecutorConfig,
+        ParallelConfig as ParallelConfig,
+        SchedulerConfig as SchedulerConfig,
+    )
     from mpexec.errors import (
         MpexecError as MpexecError,
         PeerDiedError as PeerDiedError,
@@ -35,6 +45,7 @@ if TYPE_CHECKING:
         WorkerError as WorkerError,
         WorkerStartupError as WorkerStartupError,
     )
+    from mpexec.ipc import Handle as Handle, MessageQueue as MessageQueue
 
 
 def __getattr__(name: str) -> Any:
@@ -47,4 +58,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(__all__)

@@ -1,0 +1,72 @@
+"""The package as users meet it: cheap import, lazy public names, README and CI in step."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpexec
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
+
+
+def test_import_is_cheap_and_torch_free() -> None:
+    code = (
+        "import sys, mpexec\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('mpexec.'))\n"
+        "print(loaded)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=SRC_DIR)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", [n for n in mpexec.__all__ if n != "__version__"])
+def test_public_names_resolve(name: str) -> None:
+    value = getattr(mpexec, name)
+    assert value.__name__ == name
+
+
+def test_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        _ = mpexec.NoSuchThing
+
+
+def test_dir_lists_the_public_api() -> None:
+    assert set(mpexec.__all__) <= set(dir(mpexec))
+
+
+def test_errors_are_reexported_unchanged() -> None:
+    from mpexec import errors
+
+    assert mpexec.WorkerError is errors.WorkerError
+    assert issubclass(mpexec.WorkerDiedError, mpexec.MpexecError)
+
+
+def _readme_test_command() -> str:
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if "-m pytest" in line]
+    assert commands, "README.md gives no pytest command"
+    return commands[0]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    command = _readme_test_command()
+    ci = (ROOT / ".ci" / "run").read_text()
+    match = re.search(r'^TEST_CMD="(.*)"$', ci, re.MULTILINE)
+    assert match, ".ci/run has no TEST_CMD line"
+    assert match.group(1) == command
+
+
+def test_version_matches_pyproject() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'version = "{mpexec.__version__}"' in pyproject
