@@ -1,0 +1,143 @@
+"""The error types that mpexec callers catch.
+
+Every error raised on purpose by mpexec derives from :class:`MpexecError`, so
+``except MpexecError`` catches all of them.  Each also derives from the builtin
+that describes it best (``RuntimeError``, ``ValueError``), so code written
+against a plain executor keeps working.
+
+=====================  ==========================================================
+error                  raised when
+=====================  ==========================================================
+QueueClosedError       a MessageQueue was shut down (locally, or by the writer)
+PeerDiedError          the process at the other end of a MessageQueue died
+WorkerError            a worker raised inside a method called on it
+WorkerDiedError        a worker process died; every pending and later call
+WorkerStartupError     a worker failed before it reported READY
+=====================  ==========================================================
+
+``TimeoutError`` (the builtin) is raised when a call or a queue operation
+passes its deadline.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class MpexecError(Exception):
+    """Base class of every error mpexec raises on purpose."""
+
+
+class QueueClosedError(MpexecError, RuntimeError):
+    """The queue was shut down; nothing more can be sent or received on it."""
+
+
+class PeerDiedError(QueueClosedError):
+    """The writer (seen from a reader) or a reader (seen from the writer) died.
+
+    ``pid`` is the process that died and ``role`` says which end it was
+    (``"writer"`` or ``"reader <rank>"``).
+    """
+
+    def __init__(self, message: str, *, pid: int, role: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.role = role
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_peer_died, (str(self), self.pid, self.role))
+
+
+def _rebuild_peer_died(message: str, pid: int, role: str) -> PeerDiedError:
+    return PeerDiedError(message, pid=pid, role=role)
+
+
+class WorkerError(MpexecError, RuntimeError):
+    """A worker raised an exception inside a method the driver called.
+
+    The remote exception is described by ``exc_type`` (its qualified type name)
+    and ``remote_traceback`` (the formatted traceback, as text).  When the
+    exception could be pickled it is also attached as ``__cause__``.  The
+    executor stays usable after this error.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        pid: int,
+        method: str,
+        exc_type: str,
+        remote_traceback: str,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+        self.method = method
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if not self.remote_traceback:
+            return base
+        return f"{base}\n\nRemote traceback (rank {self.rank}, pid {self.pid}):\n{self.remote_traceback}"
+
+
+class WorkerDiedError(MpexecError, RuntimeError):
+    """A worker process died; the executor is failed from then on.
+
+    ``exitcode`` is the process exit code as ``multiprocessing`` reports it:
+    negative for a signal (``-9`` is SIGKILL), ``None`` when unknown.
+    """
+
+    def __init__(self, message: str, *, rank: int | None, pid: int | None,
+                 exitcode: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+        self.exitcode = exitcode
+
+    @property
+    def signal_name(self) -> str | None:
+        """``"SIGKILL"`` and the like when the worker was ended by a signal."""
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        return describe_signal(-self.exitcode)
+
+
+class WorkerStartupError(MpexecError, RuntimeError):
+    """A worker failed during start-up, before it reported READY.
+
+    ``remote_traceback`` holds the worker's traceback when it could send one.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None,
+                 remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if not self.remote_traceback:
+            return base
+        return f"{base}\n\nWorker traceback (rank {self.rank}):\n{self.remote_traceback}"
+
+
+def describe_signal(signum: int) -> str:
+    """``9`` -> ``"SIGKILL"``; unknown numbers come back as ``"signal 99"``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exitcode(exitcode: int | None) -> str:
+    """A short human phrase for a ``multiprocessing`` exit code."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        return f"killed by {describe_signal(-exitcode)}"
+    return f"exit code {exitcode}"

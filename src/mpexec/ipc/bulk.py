@@ -1,0 +1,177 @@
+"""Large messages: one copy into shared memory, none out.
+
+A message too large for a ring chunk is written into a *bulk segment* (a
+memfd of its own) and the chunk carries only its descriptor.
+
+Writer side (:class:`BulkWriter`): ``os.pwritev`` copies the frame's pieces
+into the segment in one system call, with no page faults in the writer.
+Fresh shared pages are expensive to allocate, so segments are reused: the
+writer keeps up to ``BULK_SLOTS`` of them, each with a generation number that
+grows on every use.  A slot may be reused once every reader has *released*
+the generation it last carried (see below).  When every slot is still held,
+the message goes to a one-off segment that the writer closes as soon as all
+readers have consumed the message; the kernel frees it once the readers let
+go too.
+
+Reader side (:func:`map_bulk`): the reader opens the writer's descriptor
+through ``/proc`` and maps it copy-on-write (``MAP_PRIVATE``).  The objects it
+unpickles are views of that mapping: zero copies, writable, and private —
+a write by the reader copies just that page.  When the last of those objects
+is gone, the mapping is freed and a finalizer stores the generation into the
+reader's release cell; that store is what lets the writer reuse the slot.
+Until then the slot's pages stay as the reader saw them, so a view held for
+an hour is never overwritten.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from mpexec.ipc import layout
+from mpexec.ipc.serialization import Frame, iter_pieces
+from mpexec.ipc.shm import create_memfd, open_peer_fd, reservation_error, segment_name
+
+MIN_SEGMENT = 1 << 20
+_IOV_MAX = 1024
+
+
+def _capacity_for(size: int) -> int:
+    capacity = MIN_SEGMENT
+    while capacity < size:
+        capacity *= 2
+    return capacity
+
+
+def write_frame(fd: int, frame: Frame, what: str) -> None:
+    pieces = iter_pieces(frame)
+    offset = 0
+    for start in range(0, len(pieces), _IOV_MAX):
+        batch = pieces[start:start + _IOV_MAX]
+        want = sum(memoryview(p).nbytes for p in batch)
+        try:
+            done = os.pwritev(fd, batch, offset)
+        except OSError as err:
+            raise reservation_error(err, frame.nbytes, what) from None
+        if done != want:  # short write: finish piece by piece
+            _finish_short_write(fd, batch, offset, done)
+        offset += want
+
+
+def _finish_short_write(fd: int, batch: list[Any], offset: int, done: int) -> None:
+    pos = offset
+    for piece in batch:
+        view = memoryview(piece).cast("B")
+        end = pos + view.nbytes
+        if end <= offset + done:
+            pos = end
+            continue
+        skip = max(offset + done - pos, 0)
+        view = view[skip:]
+        pos += skip
+        while view.nbytes:
+            n = os.pwrite(fd, view, pos)
+            view = view[n:]
+            pos += n
+
+
+class _Slot:
+    __slots__ = ("fd", "inode", "capacity", "generation")
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        self.fd = fd
+        self.inode = os.fstat(fd).st_ino
+        self.capacity = capacity
+        self.generation = 0
+
+
+class BulkWriter:
+    """The writer's bulk segments: reusable slots plus one-offs in flight."""
+
+    def __init__(self, name: str, is_released: Callable[[int, int], bool]) -> None:
+        self._name = name
+        self._is_released = is_released        # (slot, generation) -> all readers let go
+        self._slots: list[_Slot | None] = [None] * layout.BULK_SLOTS
+        self._one_offs: deque[tuple[int, int]] = deque()   # (seq, fd)
+
+    def put(self, frame: Frame, seq: int, what: str) -> tuple[int, int, int, int]:
+        """Write ``frame``; return (fd, inode, slot or NO_SLOT, generation)."""
+        index = self._free_slot(frame.nbytes)
+        if index is None:
+            fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
+            try:
+                write_frame(fd, frame, what)
+                inode = os.fstat(fd).st_ino
+            except BaseException:
+                os.close(fd)
+                raise
+            self._one_offs.append((seq, fd))
+            return fd, inode, layout.NO_SLOT, 0
+        slot = self._slots[index]
+        assert slot is not None
+        write_frame(slot.fd, frame, what)
+        slot.generation += 1
+        return slot.fd, slot.inode, index, slot.generation
+
+    def _free_slot(self, size: int) -> int | None:
+        best: int | None = None
+        empty: int | None = None
+        small_free: int | None = None
+        for index, slot in enumerate(self._slots):
+            if slot is None:
+                empty = index if empty is None else empty
+                continue
+            if slot.generation and not self._is_released(index, slot.generation):
+                continue
+            if slot.capacity >= size:
+                if best is None or slot.capacity < self._capacity(best):
+                    best = index
+            elif small_free is None:
+                small_free = index
+        if best is not None:
+            return best
+        target = empty if empty is not None else small_free
+        if target is None:
+            return None
+        old = self._slots[target]
+        if old is not None:
+            os.close(old.fd)
+        capacity = _capacity_for(size)
+        fd = create_memfd(segment_name(self._name + "-bulk"), 0, "a bulk message")
+        self._slots[target] = _Slot(fd, capacity)
+        return target
+
+    def _capacity(self, index: int) -> int:
+        slot = self._slots[index]
+        return 0 if slot is None else slot.capacity
+
+    def reclaim(self, consumed_by_all: int) -> None:
+        """Close one-off segments of messages every reader has consumed."""
+        while self._one_offs and self._one_offs[0][0] < consumed_by_all:
+            os.close(self._one_offs.popleft()[1])
+
+    def close(self) -> None:
+        for slot in self._slots:
+            if slot is not None:
+                os.close(slot.fd)
+        self._slots = [None] * layout.BULK_SLOTS
+        while self._one_offs:
+            os.close(self._one_offs.popleft()[1])
+
+
+def map_bulk(pid: int, fd: int, inode: int, size: int, what: str,
+             on_release: Callable[[], None] | None) -> memoryview:
+    """Map a writer's bulk segment copy-on-write; ``on_release`` runs when unused."""
+    own = open_peer_fd(pid, fd, inode, os.O_RDONLY, what)
+    try:
+        mapping = mmap.mmap(own, size, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(own)
+    if on_release is not None:
+        weakref.finalize(mapping, on_release)
+    return memoryview(mapping)

@@ -1,0 +1,227 @@
+"""Turning objects into frames and back: pickle protocol 5 with buffers out of band.
+
+``encode(obj)`` pickles once and returns a :class:`Frame`: the pickle stream as
+a list of pieces plus the raw memory of every large buffer in the object
+(numpy arrays, ``bytearray``, ``memoryview``, ``PickleBuffer``, and torch CPU
+tensors when torch is loaded).  Nothing is joined or copied here: the queue
+copies each piece exactly once, into shared memory.  A large ``bytes`` object
+cannot leave the pickle stream (the pickler writes it itself), but the pickler
+hands it to us as the original object, so it too is copied only once.
+
+Layout of an encoded frame, as written into a chunk or a bulk segment::
+
+    u64 pickle_len | u64 n_buffers | n_buffers x u64 length | pickle bytes
+    | buffer 0 (64-byte aligned) | buffer 1 (aligned) | ...
+
+``decode(view)`` reads that layout back from any buffer and unpickles with the
+buffers as slices of it, so the reader's objects *are* the frame's memory:
+the caller decides whether that memory is a private copy.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+ALIGN = 64
+_U64 = struct.Struct("<Q")
+_HEAD = struct.Struct("<QQ")
+
+
+def _align(value: int) -> int:
+    return (value + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Frame:
+    """One encoded object: pickle pieces and out-of-band buffers, uncopied."""
+
+    __slots__ = ("header", "pieces", "pickle_len", "buffers", "buffer_offsets", "nbytes")
+
+    def __init__(self, header: bytes, pieces: list[Any], pickle_len: int,
+                 buffers: list[memoryview], buffer_offsets: list[int], nbytes: int) -> None:
+        self.header = header
+        self.pieces = pieces
+        self.pickle_len = pickle_len
+        self.buffers = buffers
+        self.buffer_offsets = buffer_offsets
+        self.nbytes = nbytes
+
+
+class _Sink:
+    """A file for ``pickle.Pickler``: keeps every piece it is given, uncopied."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, pieces: list[Any]) -> None:
+        self.write = pieces.append
+
+
+def _rebuild_memoryview(buf: Any) -> memoryview:
+    return memoryview(buf)
+
+
+def _reduce_memoryview(view: memoryview) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    if view.contiguous:
+        return _rebuild_memoryview, (pickle.PickleBuffer(view.cast("B")),)
+    return _rebuild_memoryview, (view.tobytes(),)
+
+
+def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    if len(memoryview(buf)) == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    # Only plain dense CPU tensors take the zero-copy path; anything else
+    # (autograd history, sparse, quantized, other devices) keeps torch's own.
+    if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.is_sparse
+            or tensor.is_quantized or tensor.is_nested):
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    import torch
+
+    dense = tensor.detach().contiguous()
+    if dense.numel() == 0:
+        data = pickle.PickleBuffer(b"")
+    else:
+        data = pickle.PickleBuffer(dense.reshape(-1).view(torch.uint8).numpy())
+    return _rebuild_tensor, (data, dense.dtype, tuple(dense.shape))
+
+
+_tables: dict[bool, dict[Any, Any]] = {}
+
+
+def _dispatch_table() -> dict[Any, Any]:
+    torch_loaded = "torch" in sys.modules
+    table = _tables.get(torch_loaded)
+    if table is None:
+        table = dict(copyreg.dispatch_table)
+        table[memoryview] = _reduce_memoryview
+        if torch_loaded:
+            torch = sys.modules["torch"]
+            table[torch.Tensor] = _reduce_tensor
+            table[torch.nn.Parameter] = _reduce_tensor
+        _tables[torch_loaded] = table
+    return table
+
+
+def _nbytes(piece: Any) -> int:
+    return len(piece) if isinstance(piece, bytes) else memoryview(piece).nbytes
+
+
+class Encoder:
+    """Reusable pickler state for one writer thread (not thread-safe).
+
+    Building a ``Pickler`` costs more than pickling a small message, so each
+    queue keeps one and resets it between messages.
+    """
+
+    def __init__(self) -> None:
+        self._pieces: list[Any] = []
+        self._buffers: list[pickle.PickleBuffer] = []
+        self._torch_loaded = "torch" in sys.modules
+        self._pickler = self._new_pickler()
+
+    def _new_pickler(self) -> pickle.Pickler:
+        pickler = pickle.Pickler(_Sink(self._pieces), protocol=5,
+                                 buffer_callback=self._buffers.append)
+        pickler.dispatch_table = _dispatch_table()
+        return pickler
+
+    def encode(self, obj: Any) -> Frame:
+        """Pickle ``obj``; the pickling error propagates as is."""
+        if self._torch_loaded != ("torch" in sys.modules):
+            self._torch_loaded = not self._torch_loaded
+            self._pickler = self._new_pickler()
+        pieces, pickle_buffers = self._pieces, self._buffers
+        pieces.clear()
+        pickle_buffers.clear()
+        self._pickler.clear_memo()
+        try:
+            self._pickler.dump(obj)
+            # Producers of PickleBuffer (numpy, our reducers) only make them for
+            # contiguous memory, so raw() cannot fail here.
+            buffers = [buf.raw() for buf in pickle_buffers]
+        finally:
+            out_pieces = pieces[:]
+            pieces.clear()
+            pickle_buffers.clear()
+        pickle_len = (len(out_pieces[0]) if len(out_pieces) == 1
+                      else sum(_nbytes(piece) for piece in out_pieces))
+        if not buffers:
+            header = _HEAD.pack(pickle_len, 0)
+            return Frame(header, out_pieces, pickle_len, buffers, [], _HEAD.size + pickle_len)
+        header = _HEAD.pack(pickle_len, len(buffers)) + b"".join(
+            _U64.pack(buf.nbytes) for buf in buffers)
+        offsets = []
+        end = len(header) + pickle_len
+        for buf in buffers:
+            start = _align(end)
+            offsets.append(start)
+            end = start + buf.nbytes
+        return Frame(header, out_pieces, pickle_len, buffers, offsets, end)
+
+
+def encode(obj: Any) -> Frame:
+    """Pickle ``obj`` with a fresh :class:`Encoder`."""
+    return Encoder().encode(obj)
+
+
+def write_into(frame: Frame, target: memoryview) -> None:
+    """Copy ``frame`` into ``target`` (a writable byte view of >= nbytes)."""
+    pos = len(frame.header)
+    target[:pos] = frame.header
+    for piece in frame.pieces:
+        size = _nbytes(piece)
+        target[pos:pos + size] = piece
+        pos += size
+    for start, buf in zip(frame.buffer_offsets, frame.buffers):
+        target[start:start + buf.nbytes] = buf
+
+
+def iter_pieces(frame: Frame) -> list[Any]:
+    """The frame as consecutive byte pieces, alignment gaps included (for writev)."""
+    out: list[Any] = [frame.header, *frame.pieces]
+    end = len(frame.header) + frame.pickle_len
+    for start, buf in zip(frame.buffer_offsets, frame.buffers):
+        if start > end:
+            out.append(bytes(start - end))
+        out.append(buf)
+        end = start + buf.nbytes
+    return out
+
+
+def decode(view: memoryview) -> Any:
+    """Unpickle a frame from ``view``; out-of-band buffers become slices of it."""
+    pickle_len, n_buffers = _HEAD.unpack_from(view, 0)
+    pos = _HEAD.size
+    lengths = [_U64.unpack_from(view, pos + 8 * i)[0] for i in range(n_buffers)]
+    pos += 8 * n_buffers
+    data = view[pos:pos + pickle_len]
+    end = pos + pickle_len
+    buffers = []
+    for length in lengths:
+        start = _align(end)
+        buffers.append(view[start:start + length])
+        end = start + length
+    return pickle.loads(data, buffers=buffers)
+
+
+def dumps(obj: Any) -> bytes:
+    """``encode`` + join: a frame as one ``bytes`` (tests, small messages)."""
+    frame = encode(obj)
+    out = bytearray(frame.nbytes)
+    write_into(frame, memoryview(out))
+    return bytes(out)
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """Inverse of :func:`dumps`; buffers of ``bytearray`` input stay writable."""
+    return decode(memoryview(data))

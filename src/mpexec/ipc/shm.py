@@ -1,0 +1,176 @@
+"""Shared-memory segments that cannot leak: anonymous memfds shared through /proc.
+
+A queue's memory is a ``memfd_create`` file.  It has no name in ``/dev/shm`` or
+anywhere else, so there is nothing to unlink and nothing to leave behind: the
+kernel frees it when the last descriptor and the last mapping are gone, however
+the processes holding them ended (SIGKILL included).  Its pages are charged to
+memory, not to the size of ``/dev/shm``, which therefore cannot fill up.
+
+Sharing: the creator keeps the descriptor open; another process opens
+``/proc/<creator pid>/fd/<fd>``, which the kernel allows only to the same user
+(the ptrace "read" check), and the file itself is mode 0600.  The inode number
+travels with the handle, so a descriptor number reused for another file after
+the creator closed the segment is detected instead of mapped.
+
+Space is reserved when the segment is made (``posix_fallocate``): a machine
+without the memory fails construction with an error that names the MiB needed
+and available, never with a SIGBUS at first touch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import mmap
+import os
+import stat
+import sys
+from dataclasses import dataclass
+
+from mpexec.errors import PeerDiedError, QueueClosedError
+
+_counter = itertools.count()
+MiB = 1 << 20
+
+# Python >= 3.13 can map without keeping a duplicate descriptor per mapping.
+_MMAP_NO_TRACKFD: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def segment_name(kind: str) -> str:
+    """A name for ``/proc/<pid>/fd`` listings: ``mpexec-<kind>-<pid>-<n>``."""
+    return f"mpexec-{kind}-{os.getpid()}-{next(_counter)}"
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable, lowered to the cgroup's headroom when one is set."""
+    best: int | None = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    best = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            headroom = max(int(limit) - used, 0)
+            best = headroom if best is None else min(best, headroom)
+    except (OSError, ValueError):
+        pass
+    return best
+
+
+def reservation_error(err: OSError, size: int, what: str) -> OSError:
+    avail = available_memory_bytes()
+    avail_text = "unknown" if avail is None else f"{avail / MiB:.1f} MiB"
+    return OSError(
+        err.errno,
+        f"cannot reserve {size / MiB:.1f} MiB of shared memory for {what}: "
+        f"{os.strerror(err.errno or errno.ENOMEM)}; memory available: {avail_text}. "
+        "Lower max_chunk_bytes / max_chunks or free memory.",
+    )
+
+
+def create_memfd(name: str, size: int, what: str) -> int:
+    """A 0600 memfd of ``size`` bytes whose pages are already allocated."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as err:
+                raise reservation_error(err, size, what) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_peer_fd(pid: int, fd: int, inode: int, flags: int, what: str) -> int:
+    """Open another process's descriptor ``fd`` and check it is still ``inode``."""
+    try:
+        own = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not os.path.exists(f"/proc/{pid}"):
+            raise PeerDiedError(
+                f"{what}: its writer process {pid} has exited", pid=pid, role="writer"
+            ) from None
+        raise QueueClosedError(f"{what}: the segment is gone (its writer shut it down)") from None
+    except PermissionError as err:
+        raise PermissionError(
+            err.errno,
+            f"{what}: cannot open /proc/{pid}/fd/{fd}; readers must run as the same user "
+            "as the writer, and the writer must be dumpable (run `mpexec doctor`)",
+        ) from None
+    if os.fstat(own).st_ino != inode:
+        os.close(own)
+        raise QueueClosedError(f"{what}: the segment is gone (descriptor reused)")
+    return own
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """Where to find a segment: the creator's pid, descriptor and inode."""
+
+    pid: int
+    fd: int
+    inode: int
+    size: int
+
+
+class Segment:
+    """A shared read-write mapping of a memfd, with its base address for futexes."""
+
+    def __init__(self, fd: int, size: int, owner: bool) -> None:
+        self.fd = fd if owner else -1
+        self.size = size
+        self.map = mmap.mmap(fd, size, **_MMAP_NO_TRACKFD)
+        self.bytes = memoryview(self.map)
+        self.cells = self.bytes.cast("Q")
+        self._anchor: ctypes.Array[ctypes.c_char] | None = (
+            ctypes.c_char * size).from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)
+        self.closed = False
+
+    @classmethod
+    def create(cls, name: str, size: int, what: str) -> Segment:
+        fd = create_memfd(name, size, what)
+        try:
+            return cls(fd, size, owner=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, ref: SegmentRef, what: str) -> Segment:
+        fd = open_peer_fd(ref.pid, ref.fd, ref.inode, os.O_RDWR, what)
+        try:
+            return cls(fd, ref.size, owner=False)
+        finally:
+            os.close(fd)
+
+    def ref(self) -> SegmentRef:
+        return SegmentRef(os.getpid(), self.fd, os.fstat(self.fd).st_ino, self.size)
+
+    def close(self) -> None:
+        """Unmap and close; views still held elsewhere keep the memory alive."""
+        if self.closed:
+            return
+        self.closed = True
+        self.cells.release()
+        self.bytes.release()
+        self._anchor = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # someone still holds a view; the mapping goes with it
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1

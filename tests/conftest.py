@@ -1,0 +1,110 @@
+"""Shared fixtures: the leak check every process-starting test uses.
+
+``leak_check`` snapshots this process's children, its open file descriptors
+and the entries of ``/dev/shm`` before a test, and after it asserts (with a
+bounded wait for stragglers to exit) that nothing new is left.  Leftover
+processes are killed so that one leaky test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Spawned children import test helpers (worker classes) by module path.
+for path in (str(ROOT), str(ROOT / "src")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+_pythonpath = os.environ.get("PYTHONPATH", "")
+if str(ROOT) not in _pythonpath.split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), _pythonpath) if p)
+
+SETTLE_S = 10.0
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (zombies included), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces and parentheses: split after it.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def open_fds() -> dict[int, str]:
+    fds = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+    return fds
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def _leftovers(before_children: set[int], before_fds: dict[int, str],
+               before_shm: set[str]) -> tuple[set[int], dict[int, str], set[str]]:
+    multiprocessing.active_children()  # reaps finished multiprocessing children
+    gc.collect()
+    children = descendants(os.getpid()) - before_children
+    fds = {fd: target for fd, target in open_fds().items()
+           if before_fds.get(fd) != target}
+    shm = shm_entries() - before_shm
+    return children, fds, shm
+
+
+@pytest.fixture
+def leak_check() -> Iterator[None]:
+    before_children = descendants(os.getpid())
+    before_fds = open_fds()
+    before_shm = shm_entries()
+    yield
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        children, fds, shm = _leftovers(before_children, before_fds, before_shm)
+        if not (children or fds or shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()
+    problems = []
+    if children:
+        problems.append(f"child processes left: {sorted(children)}")
+    if fds:
+        problems.append(f"file descriptors left: {fds}")
+    if shm:
+        problems.append(f"/dev/shm entries left: {sorted(shm)}")
+    assert not problems, "; ".join(problems)

@@ -1,0 +1,206 @@
+"""MessageQueue behaviour with the writer and its readers in this one process.
+
+Readers normally live in other processes, but nothing in the protocol
+depends on that, so the state machine, the error paths and the shared-memory
+hygiene are checked here, fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mpexec.errors import QueueClosedError
+from mpexec.ipc import MessageQueue, layout
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[MessageQueue, MessageQueue]]:
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4, name="pair")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(timeout=5)
+    reader.wait_until_ready(timeout=5)
+    yield writer, reader
+    reader.shutdown()
+    writer.shutdown()
+
+
+def test_messages_arrive_in_order_inline_and_bulk(pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    sizes = [0, 10, 4000, 4096, 5000, 100_000, 3]
+    for round_ in range(3):  # more messages than chunks: the ring wraps
+        for size in sizes:
+            writer.enqueue((round_, size, b"x" * size))
+            assert reader.dequeue(timeout=5) == (round_, size, b"x" * size)
+
+
+def test_bulk_arrays_are_private_writable_views(pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    second = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)
+    readers = [MessageQueue.create_from_handle(second.export_handle(), r) for r in (0, 1)]
+    try:
+        second.enqueue(np.arange(100_000, dtype=np.int64))
+        a, b = (r.dequeue(timeout=5) for r in readers)
+        assert a.flags.writeable and b.flags.writeable
+        a[:10] = -1  # copy-on-write: the other reader's view is untouched
+        assert b[0] == 0 and a[0] == -1 and b[-1] == 99_999
+    finally:
+        for r in readers:
+            r.shutdown()
+        second.shutdown()
+
+
+def test_bulk_slots_are_reused_only_after_release() -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2, name="reuse")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        held = []
+        for i in range(layout.BULK_SLOTS + 3):  # more live views than slots: one-offs
+            writer.enqueue(np.full(10_000, i))
+            held.append(reader.dequeue(timeout=5))
+        assert [int(h[0]) for h in held] == list(range(layout.BULK_SLOTS + 3))
+        assert all(int(h[-1]) == i for i, h in enumerate(held))  # nothing overwritten
+        held.clear()
+        gc.collect()
+        for i in range(5):  # released slots now serve new messages
+            writer.enqueue(np.full(10_000, 100 + i))
+            assert int(reader.dequeue(timeout=5)[-1]) == 100 + i
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+
+
+def test_unpicklable_raises_at_enqueue_and_queue_stays_usable(
+        pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    with pytest.raises(Exception, match="pickle|lambda"):
+        writer.enqueue(("bad", lambda: 1))
+    writer.enqueue("good")
+    assert reader.dequeue(timeout=5) == "good"
+
+
+def test_dequeue_timeout_raises_at_the_deadline(pair: tuple[MessageQueue, MessageQueue]) -> None:
+    _, reader = pair
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="dequeue timed out"):
+        reader.dequeue(timeout=0.2)
+    assert time.monotonic() - start >= 0.2
+
+
+def test_enqueue_on_full_ring_times_out_and_recovers(
+        pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    for i in range(4):
+        writer.enqueue(i, timeout=1)
+    with pytest.raises(TimeoutError, match="ring full.*behind by 4"):
+        writer.enqueue(4, timeout=0.2)
+    assert reader.dequeue(timeout=1) == 0
+    writer.enqueue(4, timeout=1)
+    assert [reader.dequeue(timeout=1) for _ in range(4)] == [1, 2, 3, 4]
+
+
+def test_wrong_end_and_wrong_rank_are_clear_errors(
+        pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    with pytest.raises(RuntimeError, match="reader end"):
+        reader.enqueue(1)
+    with pytest.raises(RuntimeError, match="writer end"):
+        writer.dequeue(timeout=0.1)
+    with pytest.raises(ValueError, match="rank 5 is not a local reader"):
+        MessageQueue.create_from_handle(writer.export_handle(), 5)
+
+
+def test_bad_arguments_name_the_rule() -> None:
+    with pytest.raises(ValueError, match="n_reader"):
+        MessageQueue(0, 0)
+    with pytest.raises(ValueError, match="local_reader_ranks"):
+        MessageQueue(2, 2, local_reader_ranks=[0, 0])
+    with pytest.raises(NotImplementedError, match="remote readers"):
+        MessageQueue(2, 1)
+
+
+def test_handle_of_a_shut_down_queue_is_rejected() -> None:
+    writer = MessageQueue(1, 1)
+    handle = writer.export_handle()
+    writer.shutdown()
+    with pytest.raises(QueueClosedError, match="gone"):
+        MessageQueue.create_from_handle(handle, 0)
+
+
+@pytest.mark.parametrize("side", ["reader", "writer"])
+def test_shutdown_from_another_thread_wakes_a_blocked_call(side: str) -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    target = reader if side == "reader" else writer
+    if side == "writer":
+        writer.enqueue(0)  # the one chunk is now full
+    outcome: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            if side == "reader":
+                reader.dequeue(timeout=30)
+            else:
+                writer.enqueue(1, timeout=30)
+        except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(err)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(0.2)  # let it reach the futex sleep
+    started = time.monotonic()
+    target.shutdown()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], QueueClosedError), outcome
+    assert time.monotonic() - started < 5
+    reader.shutdown()
+    writer.shutdown()
+
+
+def test_writer_shutdown_reaches_a_blocked_reader(pair: tuple[MessageQueue, MessageQueue]) -> None:
+    writer, reader = pair
+    writer.enqueue("last")
+    writer.shutdown()
+    assert reader.dequeue(timeout=5) == "last"  # what was published is still delivered
+    with pytest.raises(QueueClosedError, match="writer shut"):
+        reader.dequeue(timeout=5)
+
+
+def test_idle_reader_logs_who_is_behind(caplog: pytest.LogCaptureFixture) -> None:
+    writer = MessageQueue(2, 2, name="logged")
+    handle = writer.export_handle()
+    reader = MessageQueue.create_from_handle(handle, 0, log_interval_s=0.1)
+    other = MessageQueue.create_from_handle(handle, 1)
+    writer.enqueue(1)
+    assert reader.dequeue(timeout=1) == 1
+    with caplog.at_level(logging.WARNING, logger="mpexec.ipc.message_queue"):
+        with pytest.raises(TimeoutError):
+            reader.dequeue(timeout=0.5)
+    assert "rank 1 read 0 (behind by 1)" in caplog.text
+    for q in (reader, other, writer):
+        q.shutdown()
+
+
+def test_nothing_named_in_dev_shm_and_fds_closed() -> None:
+    before = set(os.listdir("/dev/shm"))
+    writer = MessageQueue(2, 2)
+    readers = [MessageQueue.create_from_handle(writer.export_handle(), r) for r in (0, 1)]
+    writer.enqueue(np.zeros(1 << 20))
+    arrays = [r.dequeue(timeout=5) for r in readers]
+    assert set(os.listdir("/dev/shm")) == before
+    del arrays
+    for q in (*readers, writer):
+        q.shutdown()
+        q.shutdown()  # idempotent
+    gc.collect()
+    # leak_check asserts that no descriptor is left open

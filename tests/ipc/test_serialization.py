@@ -1,0 +1,118 @@
+"""Round trips of the frame encoding, including out-of-band buffers."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from mpexec.ipc import serialization
+from mpexec.ipc.serialization import ALIGN, Encoder, decode, dumps, loads
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                    st.text(max_size=50), st.binary(max_size=300))
+arrays = hnp.arrays(dtype=st.sampled_from([np.uint8, np.int32, np.float64, np.complex64]),
+                    shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=20))
+values = st.recursive(scalars | arrays,
+                      lambda children: st.lists(children, max_size=5)
+                      | st.dictionaries(st.text(max_size=5), children, max_size=5)
+                      | st.tuples(children, children), max_leaves=20)
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and a.tobytes() == b.tobytes())
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_round_trip(value: Any) -> None:
+    assert same(loads(bytearray(dumps(value))), value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(values, min_size=1, max_size=5))
+def test_one_encoder_reused_for_many_messages(messages: list[Any]) -> None:
+    encoder = Encoder()
+    for message in messages:
+        frame = encoder.encode(message)
+        out = bytearray(frame.nbytes)
+        serialization.write_into(frame, memoryview(out))
+        assert same(decode(memoryview(out)), message)
+
+
+def test_large_buffers_travel_out_of_band_and_aligned() -> None:
+    array = np.arange(10_000, dtype=np.float64)
+    frame = Encoder().encode({"a": array, "b": pickle.PickleBuffer(bytearray(b"x" * 5000))})
+    assert len(frame.buffers) == 2
+    assert all(offset % ALIGN == 0 for offset in frame.buffer_offsets)
+    assert frame.pickle_len < 500  # the array's bytes are not in the pickle stream
+
+
+def test_arrays_are_writable_views_of_the_frame() -> None:
+    data = bytearray(dumps(np.zeros(1000)))
+    array = loads(data)
+    assert array.flags.writeable
+    array[0] = 7.0
+    assert loads(data)[0] == 7.0  # shares memory with the frame: zero copy
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_large_bytes_is_not_copied_into_the_pickle_stream(kind: type) -> None:
+    big = kind(b"q" * (1 << 20))
+    frame = Encoder().encode(("m", big))
+    # The pickler hands the object itself to our sink: the one copy is ours.
+    assert any(piece is big or (isinstance(piece, memoryview) and piece.obj is big)
+               for piece in frame.pieces)
+    assert loads(bytearray(dumps(("m", big)))) == ("m", big)
+
+
+def test_memoryview_and_non_contiguous_buffers() -> None:
+    mv = memoryview(bytearray(b"abcdef"))
+    assert bytes(loads(bytearray(dumps(mv)))) == b"abcdef"
+    strided = np.arange(100).reshape(10, 10)[:, ::3]
+    assert np.array_equal(loads(bytearray(dumps(strided))), strided)
+    strided_view = memoryview(np.arange(10, dtype=np.uint8))[::2]
+    assert bytes(loads(bytearray(dumps(strided_view)))) == bytes(range(0, 10, 2))
+
+
+def test_unpicklable_raises_and_encoder_stays_usable() -> None:
+    encoder = Encoder()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        encoder.encode(("x", lambda: 1))
+    frame = encoder.encode(("ok", 1))
+    out = bytearray(frame.nbytes)
+    serialization.write_into(frame, memoryview(out))
+    assert decode(memoryview(out)) == ("ok", 1)
+
+
+@pytest.mark.torch
+def test_torch_cpu_tensors_travel_out_of_band() -> None:
+    torch = pytest.importorskip("torch")
+    tensors = {
+        "f32": torch.arange(1000, dtype=torch.float32).reshape(10, 100),
+        "bf16": torch.ones(64, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.5),
+        "strided": torch.arange(100).reshape(10, 10).t(),
+        "bool": torch.tensor([True, False]),
+    }
+    frame = Encoder().encode(tensors)
+    assert len(frame.buffers) >= 4
+    back = loads(bytearray(dumps(tensors)))
+    for key, tensor in tensors.items():
+        assert back[key].dtype == tensor.dtype and back[key].shape == tensor.shape
+        assert torch.equal(back[key], tensor), key
+    grad = torch.ones(3, requires_grad=True)
+    assert torch.equal(loads(bytearray(dumps(grad))), grad)
