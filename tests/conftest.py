@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+from multiprocessing import resource_tracker
 import os
 import signal
 import sys
@@ -84,6 +85,9 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
 
 @pytest.fixture
 def leak_check() -> Iterator[None]:
+    # multiprocessing's resource tracker is one long-lived helper per test
+    # session, not a leak: start it first so it belongs to the baseline.
+    resource_tracker.ensure_running()
     before_children = descendants(os.getpid())
     before_fds = open_fds()
     before_shm = shm_entries()

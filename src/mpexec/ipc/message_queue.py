@@ -236,7 +236,10 @@ class MessageQueue:
             state_cell = geometry.reader_cell(index, layout.STATE)
             if cells[state_cell] == layout.STATE_ATTACHED:
                 other = int(cells[geometry.reader_cell(index, layout.PID)])
-                if other != os.getpid() and PeerWatch(other).alive():
+                watch = PeerWatch(other)
+                holder_alive = watch.alive()
+                watch.close()
+                if other != os.getpid() and holder_alive:
                     raise ValueError(f"{what}: reader rank {rank} is already attached "
                                      f"by process {other}")
             queue = cls.__new__(cls)
@@ -384,7 +387,9 @@ class MessageQueue:
             cells[layout.WRITER_WAITING_CELL] = 0
             if cells[cell] > must_exceed and min(cells[c] for c in read_cells) > must_exceed:
                 return
-            self._check_reader(laggard)
+            for reader, read_cell in enumerate(read_cells):
+                if cells[read_cell] <= must_exceed:
+                    self._check_reader(reader)
             now = time.monotonic()
             if now >= next_log:
                 logger.warning("queue %r: ring full for %.0f s; %s", self.name, now - started,
