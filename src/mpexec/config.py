@@ -1,0 +1,261 @@
+"""Configuration of an executor: plain dataclasses, validated on construction.
+
+Nothing here reads the environment.  ``ExecutorConfig.from_env`` is the one,
+explicit place where the ``MPEXEC_*`` variables (parsed once by
+:func:`mpexec.envs.load_envs`) become configuration.
+
+Every validation error is a ``ValueError`` that names the fields involved and
+the rule they broke, e.g. ``world_size (6) must equal tensor_parallel_size (2)
+x pipeline_parallel_size (2) x prefill_context_parallel_size (1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpexec.envs import Envs
+
+START_METHODS = ("fork", "spawn", "forkserver")
+DEVICE_TYPES = ("cuda", "cpu")
+
+
+def _require_positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """How the workers of one executor divide the model.
+
+    Ranks are laid out DP > PP > PCP > TP (TP varies fastest): global rank
+    ``r`` has ``tp_rank = r % TP``, ``pcp_rank = (r // TP) % PCP`` and
+    ``pp_rank = r // (TP * PCP) % PP``.  Decode context parallelism splits
+    each TP group, so ``decode_context_parallel_size`` must divide
+    ``tensor_parallel_size``.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    # The torch.distributed backend the workers build their groups with.
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            self,
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "data_parallel_size",
+            "nnodes",
+        )
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank ({self.data_parallel_rank}) must be in "
+                f"[0, data_parallel_size ({self.data_parallel_size}))"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank ({self.node_rank}) must be in [0, nnodes ({self.nnodes}))"
+            )
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(
+                f"decode_context_parallel_size ({self.decode_context_parallel_size}) must "
+                f"divide tensor_parallel_size ({self.tensor_parallel_size})"
+            )
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535]; got {self.master_port}")
+        if not self.backend:
+            raise ValueError("backend must name a torch.distributed backend, e.g. 'gloo'")
+        dp, nodes = self.data_parallel_size, self.nnodes
+        if nodes >= dp and nodes % dp:
+            raise ValueError(
+                f"nnodes ({nodes}) must be a multiple of data_parallel_size ({dp}) "
+                "when data parallel ranks span several nodes"
+            )
+        if nodes < dp and dp % nodes:
+            raise ValueError(
+                f"data_parallel_size ({dp}) must be a multiple of nnodes ({nodes}) "
+                "when several data parallel ranks share a node"
+            )
+        if self.world_size % self.nnodes_within_dp:
+            raise ValueError(
+                f"world_size ({self.world_size}) = tensor_parallel_size x "
+                "pipeline_parallel_size x prefill_context_parallel_size must be divisible "
+                f"by nnodes_within_dp ({self.nnodes_within_dp})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Workers in one data parallel rank: TP x PP x PCP."""
+        return (
+            self.tensor_parallel_size
+            * self.pipeline_parallel_size
+            * self.prefill_context_parallel_size
+        )
+
+    @property
+    def nnodes_within_dp(self) -> int:
+        """Nodes that one data parallel rank spans."""
+        return max(1, self.nnodes // self.data_parallel_size)
+
+    @property
+    def node_rank_within_dp(self) -> int:
+        """This node's index among the nodes of its data parallel rank."""
+        return self.node_rank % self.nnodes_within_dp
+
+    @property
+    def local_world_size(self) -> int:
+        """Workers this node runs for its data parallel rank."""
+        return self.world_size // self.nnodes_within_dp
+
+
+@dataclass
+class SchedulerConfig:
+    """What the executor needs to know about the scheduler driving it."""
+
+    # Overlap scheduling of step N+1 with execution of step N: workers send
+    # replies from a separate thread and two batches may be in flight.
+    async_scheduling: bool = False
+
+
+@dataclass
+class ExecutorConfig:
+    """Everything an executor is built from.
+
+    ``worker_cls`` is a class or a ``"module:Class"`` name; each worker is
+    constructed with the standard keyword arguments (``config``,
+    ``local_rank``, ``rank``, ``distributed_init_method``,
+    ``is_driver_worker``, ``shared_worker_lock``) plus ``worker_kwargs``.
+    """
+
+    worker_cls: type | str
+    worker_kwargs: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # "uni", "mp", "ray", "module:Class", or an Executor subclass.
+    executor_backend: str | type = "mp"
+    # "cuda" workers get one OpenMP thread each unless the user set
+    # OMP_NUM_THREADS; "cpu" workers may get their own share (omp_num_threads).
+    device_type: str = "cuda"
+
+    execute_model_timeout_s: float | None = 300.0
+    check_health_timeout_s: float = 10.0
+    startup_timeout_s: float = 300.0
+    # Termination: wait shutdown_grace_s after closing the death pipes, then
+    # SIGTERM and wait shutdown_term_s, then SIGKILL.
+    shutdown_grace_s: float = 4.0
+    shutdown_term_s: float = 4.0
+
+    mp_start_method: str = "fork"
+    # One CPU set per local worker, applied in the child as it starts.
+    cpu_affinity: Sequence[Sequence[int]] | None = None
+    # CPU workers: OpenMP threads for every worker (int) or per local worker.
+    omp_num_threads: int | Sequence[int] | None = None
+    monitor_workers: bool = True
+
+    mq_max_chunk_bytes: int = 512 * 1024
+    mq_max_chunks: int = 8
+    # Build a KVOutputAggregator so that KV transfer completion is merged over
+    # all workers (every worker replies to execute_model / sample_tokens).
+    aggregate_kv_outputs: bool = False
+
+    trace: bool = False
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.worker_cls, str) and ":" not in self.worker_cls:
+            raise ValueError(
+                f"worker_cls must be a class or 'module:Class'; got {self.worker_cls!r}"
+            )
+        if not isinstance(self.worker_cls, (str, type)):
+            raise ValueError(
+                f"worker_cls must be a class or 'module:Class'; got {self.worker_cls!r}")
+        if self.mp_start_method not in START_METHODS:
+            raise ValueError(
+                f"mp_start_method must be one of {START_METHODS}; got {self.mp_start_method!r}"
+            )
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"device_type must be one of {DEVICE_TYPES}; got {self.device_type!r}")
+        for name in ("check_health_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in ("shutdown_grace_s", "shutdown_term_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        timeout = self.execute_model_timeout_s
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"execute_model_timeout_s must be > 0 or None; got {timeout}")
+        _require_positive(self, "mq_max_chunk_bytes", "mq_max_chunks")
+        local = self.parallel.local_world_size
+        if self.cpu_affinity is not None:
+            if len(self.cpu_affinity) != local:
+                raise ValueError(
+                    f"cpu_affinity has {len(self.cpu_affinity)} CPU sets; it needs one per "
+                    f"local worker (local_world_size = {local})"
+                )
+            for rank, cpus in enumerate(self.cpu_affinity):
+                if not cpus:
+                    raise ValueError(f"cpu_affinity[{rank}] is empty; give at least one CPU")
+        threads = self.omp_num_threads
+        if threads is not None:
+            counts = [threads] if isinstance(threads, int) else list(threads)
+            if not isinstance(threads, int) and len(counts) != local:
+                raise ValueError(
+                    f"omp_num_threads has {len(counts)} entries; it needs one per local "
+                    f"worker (local_world_size = {local}) or a single integer"
+                )
+            if any(c < 1 for c in counts):
+                raise ValueError(f"omp_num_threads must be >= 1; got {threads!r}")
+
+    def omp_threads_for(self, local_rank: int) -> int | None:
+        """OpenMP threads for one local worker (None: the accelerator default)."""
+        threads = self.omp_num_threads
+        if threads is None or isinstance(threads, int):
+            return threads
+        return threads[local_rank]
+
+    def cpus_for(self, local_rank: int) -> list[int] | None:
+        """The CPU set one local worker is pinned to, if any."""
+        if self.cpu_affinity is None:
+            return None
+        return sorted(self.cpu_affinity[local_rank])
+
+    @classmethod
+    def from_env(cls, envs: Envs | None = None, **fields: Any) -> ExecutorConfig:
+        """A config whose defaults come from ``MPEXEC_*`` (explicit fields win)."""
+        from mpexec.envs import load_envs
+
+        envs = envs if envs is not None else load_envs()
+        defaults: dict[str, Any] = {
+            "execute_model_timeout_s": envs.execute_model_timeout_s,
+            "startup_timeout_s": envs.startup_timeout_s,
+            "shutdown_grace_s": envs.shutdown_grace_s,
+            "shutdown_term_s": envs.shutdown_grace_s,
+            "mp_start_method": envs.worker_multiproc_method,
+            "mq_max_chunk_bytes": envs.mq_max_chunk_bytes,
+            "mq_max_chunks": envs.mq_max_chunks,
+            "trace": envs.trace,
+            "log_level": envs.logging_level,
+        }
+        return cls(**{**defaults, **fields})
+
+    def replace(self, **changes: Any) -> ExecutorConfig:
+        """A copy with ``changes`` applied (and validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,207 @@
+"""The executor interface every backend implements.
+
+An ``Executor`` owns the workers of one model replica.  Callers build one from
+an :class:`~mpexec.config.ExecutorConfig` (``Executor.get_class(config)``
+picks the backend), drive it with ``collective_rpc`` and the step methods
+built on it, and end it with ``shutdown()`` (or a ``with`` block).  A backend
+implements ``_init_executor``, ``collective_rpc``, ``check_health`` and
+``shutdown``; everything else is common.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import cached_property
+from types import TracebackType
+from typing import Any
+
+from mpexec.config import ExecutorConfig
+from mpexec.executor.ranks import output_rank
+from mpexec.executor.stats import CallStats, MethodStats
+from mpexec.outputs import (
+    DraftTokenIds,
+    GrammarOutput,
+    KVOutputAggregator,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+
+FailureCallback = Callable[[], None]
+
+_BACKENDS = {
+    "mp": "mpexec.executor.multiproc:MultiprocExecutor",
+    "uni": "mpexec.executor.uniproc:UniProcExecutor",
+}
+
+
+class Executor(ABC):
+    """Runs the same calls on every worker and collects their replies."""
+
+    uses_ray: bool = False
+    supports_pp: bool = False
+
+    @staticmethod
+    def get_class(config: ExecutorConfig) -> type[Executor]:
+        """The Executor subclass ``config.executor_backend`` names.
+
+        ``"mp"``, ``"uni"``, ``"ray"`` (not available yet), a ``"module:Class"``
+        name, or an Executor subclass itself.
+        """
+        backend = config.executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise TypeError(
+                    f"executor_backend must be an Executor subclass; got {backend.__qualname__}")
+            return backend
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"executor_backend must be a name or an Executor subclass; got {backend!r}")
+        if backend == "ray":
+            raise NotImplementedError(
+                "executor_backend 'ray': the Ray backend is not available yet; use 'mp'")
+        spec = _BACKENDS.get(backend, backend)
+        module_name, sep, qualname = spec.partition(":")
+        if not sep:
+            raise ValueError(
+                f"unknown executor_backend {backend!r}: expected 'mp', 'uni', 'ray', "
+                "'module:Class' or an Executor subclass")
+        try:
+            cls: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"executor_backend {backend!r} cannot be loaded: {exc}") from exc
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise TypeError(f"executor_backend {backend!r} is not an Executor subclass")
+        return cls
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.parallel_config = config.parallel
+        self.scheduler_config = config.scheduler
+        self.is_failed = False
+        self.failure_callback: FailureCallback | None = None
+        self._callback_lock = threading.Lock()
+        self.kv_output_aggregator: KVOutputAggregator | None = (
+            KVOutputAggregator(config.parallel.world_size)
+            if config.aggregate_kv_outputs else None
+        )
+        self.call_stats = CallStats()
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers; raise (having cleaned up) if they cannot start."""
+
+    def _post_init_executor(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
+        """Hook for subclasses: runs once the workers are ready."""
+
+    # -- calls -----------------------------------------------------------------
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        kv_output_aggregator: KVOutputAggregator | None = None,
+    ) -> Any:
+        """Run ``method`` on every worker.
+
+        ``method`` is a worker method name, or a callable taking the worker as
+        its first argument.  Returns one result per worker (a list in rank
+        order), or the single result of ``unique_reply_rank`` / of the
+        aggregator; with ``non_block`` a Future of that.
+        """
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose reply is the step's output (first TP rank, last stage)."""
+        return output_rank(self.parallel_config)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        return self.collective_rpc(
+            "execute_model",
+            args=(scheduler_output,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+            timeout=self.config.execute_model_timeout_s,
+            kv_output_aggregator=self.kv_output_aggregator,
+        )
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        return self.collective_rpc(
+            "sample_tokens",
+            args=(grammar_output,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+            timeout=self.config.execute_model_timeout_s,
+            kv_output_aggregator=self.kv_output_aggregator,
+        )
+
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        result: DraftTokenIds | None = self.collective_rpc(
+            "take_draft_token_ids", unique_reply_rank=self.output_rank)
+        return result
+
+    def check_health(self) -> None:
+        """Raise unless every worker answers ``check_health`` in time."""
+        self.collective_rpc("check_health", timeout=self.config.check_health_timeout_s)
+
+    # -- failure and lifetime ------------------------------------------------------
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """Call ``callback`` once when the executor fails (at once if it has)."""
+        with self._callback_lock:
+            if not self.is_failed:
+                self.failure_callback = callback
+                return
+        callback()
+
+    def _fire_failure_callback(self) -> None:
+        """Run the registered callback; call only after setting ``is_failed``."""
+        with self._callback_lock:
+            callback, self.failure_callback = self.failure_callback, None
+        if callback is not None:
+            callback()
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release everything; idempotent."""
+
+    @cached_property
+    def max_concurrent_batches(self) -> int:
+        """Batches the scheduler may have in flight."""
+        pp_size = self.parallel_config.pipeline_parallel_size
+        if pp_size <= 1 and self.scheduler_config.async_scheduling:
+            return 2
+        return pp_size
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return False
+
+    def stats(self) -> dict[str, MethodStats]:
+        """Per method: calls, failures and latency percentiles (p50/p90/p99)."""
+        return self.call_stats.snapshot()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()

@@ -1,0 +1,426 @@
+"""MultiprocExecutor: the driver side of one-process-per-worker execution.
+
+::
+
+    driver                                        worker r (worker_proc.py)
+    ------                                        -------------------------
+    rpc_broadcast_mq (writer) --- every call ---> dequeue, run
+    response_mqs[r] (reader)  <-- (call_id, ok, payload) --- reply (if r replies)
+    death_writer[r] --------------- EOF on close / driver death ---> exit
+
+Start-up: create the broadcast queue, start every worker (``launch``), wait
+for all READY messages, attach to each reply queue, then the handshake -
+broadcast queue first, then the reply queues in rank order (the worker does
+the same; any other order deadlocks).
+
+Calls: ``collective_rpc`` broadcasts ``(call_id, method, args, kwargs,
+output_rank)`` and returns a :class:`FutureWrapper`; futures resolve in call
+order (see ``futures``).  The broadcast ring is bounded, so a caller that
+runs far ahead blocks in ``enqueue``; but the workers may in turn be blocked
+sending replies into full reply rings that only the driver empties.  So the
+driver never blocks on the broadcast ring for long: it enqueues with a short
+timeout and, between tries, moves every reply that is waiting into a per-rank
+stash that the futures read first.  Workers always make progress, and 10,000
+outstanding calls cannot wedge.
+
+End: ``shutdown()`` (idempotent; also the ``weakref.finalize`` of the
+executor, so it runs at interpreter exit) fails pending calls, closes the
+death pipes, escalates wait -> SIGTERM -> SIGKILL (``termination``) and shuts
+the queues down.  A worker dying unexpectedly is seen by the monitor thread
+(or by a caller reading its reply queue): the executor becomes failed, every
+pending and later call gets ``WorkerDiedError``, and the failure callback runs
+once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import cloudpickle
+
+from mpexec.config import ExecutorConfig
+from mpexec.errors import (
+    PeerDiedError,
+    QueueClosedError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerStartupError,
+    describe_exitcode,
+)
+from mpexec.executor import tracing
+from mpexec.executor.abstract import Executor
+from mpexec.executor.futures import FutureWrapper, Reply
+from mpexec.executor.handles import UnreadyWorkerProcHandle, WorkerProcHandle
+from mpexec.executor.launch import make_worker_process, wait_for_ready
+from mpexec.executor.protocol import RemoteFailure
+from mpexec.executor.ranks import global_start_rank, is_driver_worker
+from mpexec.executor.termination import TerminationPolicy
+from mpexec.ipc import Handle, MessageQueue
+from mpexec.outputs import KVOutputAggregator
+from mpexec.system import get_mp_context, maybe_force_spawn, set_worker_thread_env
+
+logger = logging.getLogger(__name__)
+
+# How long one enqueue attempt may wait for ring space before the driver
+# drains replies and tries again (see the module docstring).
+_ENQUEUE_SLICE_S = 0.005
+_MONITOR_JOIN_S = 2.0
+_EXITCODE_WAIT_S = 1.0
+
+
+def set_multiprocessing_worker_envs(config: ExecutorConfig) -> str:
+    """Prepare this process to start workers; returns the start method to use."""
+    method = maybe_force_spawn(config.mp_start_method)
+    if config.device_type != "cpu" and config.omp_num_threads is None:
+        # Accelerator workers: one OpenMP thread each unless the user tuned it.
+        set_worker_thread_env(None)
+    return method
+
+
+def _get_open_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class _Resources:
+    """What must be released when the executor goes, held apart from it so
+    that ``weakref.finalize`` can release them without keeping it alive."""
+
+    def __init__(self, policy: TerminationPolicy) -> None:
+        self.policy = policy
+        self.owner_pid = os.getpid()
+        self.procs: list[BaseProcess] = []
+        self.death_writers: list[Connection] = []
+        self.queues: list[MessageQueue] = []
+        self.monitor: threading.Thread | None = None
+
+    def release(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # a forked copy must not touch the parent's workers
+        for conn in self.death_writers:
+            conn.close()
+        self.policy.terminate(self.procs)
+        for mq in self.queues:
+            mq.shutdown()
+        monitor = self.monitor
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(_MONITOR_JOIN_S)
+        if monitor is None or not monitor.is_alive():
+            # Only now: the monitor waits on the sentinels these would close.
+            for proc in self.procs:
+                if proc.exitcode is not None:
+                    proc.close()
+
+
+class MultiprocExecutor(Executor):
+    """One worker process per local rank; see the module docstring."""
+
+    supports_pp: bool = True
+
+    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        self.monitor_workers = config.monitor_workers if monitor_workers is None \
+            else monitor_workers
+        self.world_size = config.parallel.world_size
+        self.local_world_size = config.parallel.local_world_size
+        self.workers: list[WorkerProcHandle] = []
+        self.rpc_broadcast_mq: MessageQueue | None = None
+        self.response_mqs: list[MessageQueue] = []
+        self.shared_worker_lock: Any = None
+        self.shutting_down = False
+        self.futures_queue: deque[FutureWrapper] = deque()
+        self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
+        self._resources = _Resources(self.termination)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self._state_lock = threading.Lock()
+        self._broadcast_lock = threading.Lock()
+        self._reply_lock = threading.Lock()
+        self._stash: list[deque[Reply]] = []
+        self._next_call_id = 0
+        self._death: tuple[int, int | None, int | None] | None = None
+        super().__init__(config)
+
+    # -- start-up ---------------------------------------------------------------
+
+    def _init_executor(self) -> None:
+        parallel = self.parallel_config
+        if parallel.nnodes_within_dp > 1:
+            raise NotImplementedError(
+                f"nnodes_within_dp = {parallel.nnodes_within_dp}: executors spanning several "
+                "nodes are not supported yet")
+        method = set_multiprocessing_worker_envs(self.config)
+        distributed_init_method = f"tcp://127.0.0.1:{_get_open_port()}"
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        unready: list[UnreadyWorkerProcHandle] = []
+        success = False
+        try:
+            with tracing.span("executor.start", world_size=self.world_size):
+                handle = self._create_broadcast_queue()
+                context = get_mp_context(method)
+                self.shared_worker_lock = context.Lock()
+                inherited_fds: list[int] | None = (
+                    [] if context.get_start_method() == "fork" else None)
+                start_rank = global_start_rank(parallel)
+                for local_rank in range(self.local_world_size):
+                    rank = start_rank + local_rank
+                    unready_handle = make_worker_process(
+                        context, self.config, local_rank, rank, distributed_init_method,
+                        handle, self.shared_worker_lock, is_driver_worker(rank, parallel),
+                        inherited_fds)
+                    unready.append(unready_handle)
+                    self._resources.procs.append(unready_handle.proc)
+                    assert unready_handle.death_writer is not None
+                    self._resources.death_writers.append(unready_handle.death_writer)
+                    if inherited_fds is not None:
+                        inherited_fds.append(unready_handle.death_writer.fileno())
+                        inherited_fds.append(unready_handle.ready_pipe.fileno())
+                # Every worker exists before we wait for any: a real worker's
+                # init_device joins a collective with all of its peers.
+                self.workers[:] = wait_for_ready(unready, deadline - time.monotonic())
+                self._handshake(deadline)
+            if self.monitor_workers:
+                self.start_worker_monitor()
+            self._post_init_executor()
+            success = True
+        finally:
+            if not success:
+                self.shutting_down = True
+                self._finalizer()
+
+    def _create_broadcast_queue(self) -> Handle | None:
+        if self.parallel_config.node_rank_within_dp != 0:
+            return None  # followers get calls from the leader (multi-node)
+        mq = MessageQueue(self.world_size, self.local_world_size,
+                          max_chunk_bytes=self.config.mq_max_chunk_bytes,
+                          max_chunks=self.config.mq_max_chunks, name="broadcast")
+        self.rpc_broadcast_mq = mq
+        self._resources.queues.append(mq)
+        return mq.export_handle()
+
+    def _handshake(self, deadline: float) -> None:
+        for w in self.workers:
+            assert w.worker_response_mq is not None
+            self.response_mqs.append(w.worker_response_mq)
+            self._resources.queues.append(w.worker_response_mq)
+        self._stash = [deque() for _ in self.response_mqs]
+        # Ensure message queues are ready.  Will deadlock if re-ordered: each
+        # worker waits on the broadcast queue before its reply queue, so we
+        # must finish the broadcast handshake before waiting on any reply queue.
+        try:
+            if self.rpc_broadcast_mq is not None:
+                self.rpc_broadcast_mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
+            for mq in self.response_mqs:
+                mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
+        except PeerDiedError as exc:
+            raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
+        except TimeoutError as exc:
+            raise WorkerStartupError(f"the queue handshake timed out: {exc}") from exc
+
+    # -- health ---------------------------------------------------------------------
+
+    def start_worker_monitor(self, inline: bool = False) -> None:
+        """Watch the worker processes; ``inline`` runs the watch in this thread."""
+        workers = list(self.workers)
+        self_ref = weakref.ref(self)
+
+        def monitor_workers() -> None:
+            sentinels = [h.proc.sentinel for h in workers]
+            died = multiprocessing.connection.wait(sentinels)
+            _self = self_ref()
+            if _self is None or _self.shutting_down:
+                logger.debug("MultiprocWorkerMonitor: shutdown already initiated")
+                return
+            dead = next(h for h in workers if h.proc.sentinel == died[0])
+            _self._on_worker_died(dead)
+
+        if inline:
+            monitor_workers()
+            return
+        thread = threading.Thread(target=monitor_workers, daemon=True,
+                                  name="MultiprocWorkerMonitor")
+        self._resources.monitor = thread
+        thread.start()
+
+    def _on_worker_died(self, handle: WorkerProcHandle) -> None:
+        """Fail the executor because ``handle``'s process died (once)."""
+        handle.proc.join(_EXITCODE_WAIT_S)
+        with self._state_lock:
+            if self.is_failed or self.shutting_down:
+                return
+            self.is_failed = True
+            self._death = (handle.rank, handle.proc.pid, handle.proc.exitcode)
+        logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
+                     handle.proc.name, describe_exitcode(handle.proc.exitcode))
+        for future in list(self.futures_queue):
+            future.fail(self._died_error())
+        self.shutdown()
+        self._fire_failure_callback()
+
+    def _died_error(self) -> WorkerDiedError:
+        assert self._death is not None
+        rank, pid, exitcode = self._death
+        return WorkerDiedError(
+            f"worker rank {rank} (pid {pid}) died: {describe_exitcode(exitcode)}; "
+            "the executor has failed", rank=rank, pid=pid, exitcode=exitcode)
+
+    def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
+        """What a caller sees when a queue closed under it."""
+        if not self.is_failed and not self.shutting_down and rank is not None:
+            local = rank - global_start_rank(self.parallel_config)
+            if isinstance(exc, PeerDiedError) or not self.workers[local].proc.is_alive():
+                self._on_worker_died(self.workers[local])
+        if self.is_failed:
+            return self._died_error()
+        if self.shutting_down:
+            return QueueClosedError("the executor was shut down before this call completed")
+        return exc
+
+    # -- calls -----------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        kv_output_aggregator: KVOutputAggregator | None = None,
+    ) -> Any:
+        if self.is_failed:
+            raise self._died_error()
+        if self.rpc_broadcast_mq is None or self.shutting_down:
+            raise QueueClosedError("collective_rpc on an executor that is shut down "
+                                   "(or on a follower node, which has no broadcast queue)")
+        started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        name = method if isinstance(method, str) else getattr(method, "__qualname__", "callable")
+        if kv_output_aggregator is not None:
+            output_rank = None
+            finish: Callable[[dict[int, Reply]], Any] = partial(
+                self._finish_aggregated, name, kv_output_aggregator, unique_reply_rank or 0)
+            ranks: list[int] = list(range(self.world_size))
+        else:
+            output_rank = unique_reply_rank
+            finish = partial(self._finish, name, output_rank is not None)
+            ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
+        if isinstance(method, str):
+            send_method: str | bytes = method
+        else:
+            send_method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._broadcast_lock:
+            call_id = self._next_call_id + 1
+            self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
+                            deadline, name)
+            self._next_call_id = call_id
+            future = FutureWrapper(self.futures_queue, self._reply_lock, self,
+                                   call_id=call_id, ranks=ranks, deadline=deadline,
+                                   finish=finish, method=name, timeout=timeout)
+        stats = self.call_stats
+        future.add_done_callback(
+            lambda f: stats.record(name, time.perf_counter() - started, f.exception() is None))
+        return future if non_block else future.result()
+
+    def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
+        mq = self.rpc_broadcast_mq
+        assert mq is not None
+        while True:
+            try:
+                mq.enqueue(message, timeout=_ENQUEUE_SLICE_S)
+                return
+            except TimeoutError:
+                pass  # the ring is full: let the workers move on (module docstring)
+            except QueueClosedError as exc:
+                raise self._closed_error(None, exc) from exc
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"RPC call to {name} timed out: the workers did not "
+                                   "take it from the broadcast queue in time")
+            self._drain_replies()
+
+    def _drain_replies(self) -> None:
+        """Move every waiting reply into the stash, unless a reader is busy."""
+        if not self._reply_lock.acquire(blocking=False):
+            return  # whoever holds it is draining already
+        try:
+            for rank, mq in enumerate(self.response_mqs):
+                stash = self._stash[rank]
+                while True:
+                    try:
+                        stash.append(mq.dequeue(timeout=0))
+                    except TimeoutError:
+                        break
+                    except QueueClosedError as exc:
+                        raise self._closed_error(rank, exc) from exc
+        finally:
+            self._reply_lock.release()
+
+    # ReplyReader, used by the futures under _reply_lock
+    def read_reply(self, rank: int, timeout: float | None) -> Reply:
+        stash = self._stash[rank]
+        if stash:
+            return stash.popleft()
+        try:
+            reply: Reply = self.response_mqs[rank].dequeue(timeout=timeout)
+        except QueueClosedError as exc:
+            raise self._closed_error(rank, exc) from exc
+        return reply
+
+    def unread_reply(self, rank: int, reply: Reply) -> None:
+        self._stash[rank].appendleft(reply)
+
+    def _worker_error(self, rank: int, method: str, failure: RemoteFailure) -> WorkerError:
+        local = rank - global_start_rank(self.parallel_config)
+        pid = self.workers[local].proc.pid if 0 <= local < len(self.workers) else -1
+        error = WorkerError(
+            f"worker rank {rank} raised {failure.exc_type} in {method}: {failure.message}",
+            rank=rank, pid=pid or -1, method=method, exc_type=failure.exc_type,
+            remote_traceback=failure.traceback)
+        error.__cause__ = failure.exception()
+        return error
+
+    def _finish(self, method: str, single: bool, replies: dict[int, Reply]) -> Any:
+        results = []
+        for rank in sorted(replies):
+            _, ok, payload = replies[rank]
+            if not ok:
+                raise self._worker_error(rank, method, payload)
+            results.append(payload)
+        return results[0] if single else results
+
+    def _finish_aggregated(self, method: str, aggregator: KVOutputAggregator,
+                           output_rank: int, replies: dict[int, Reply]) -> Any:
+        return aggregator.aggregate(self._finish(method, False, replies), output_rank)
+
+    # -- end --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        with self._state_lock:
+            if self.shutting_down:
+                return
+            self.shutting_down = True
+        logger.debug("Triggering shutdown of workers")
+        for future in list(self.futures_queue):
+            future.fail(QueueClosedError("the executor was shut down before this call completed"))
+        self._finalizer()
+        self.shared_worker_lock = None
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health", timeout=self.config.check_health_timeout_s)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True

@@ -1,0 +1,122 @@
+"""The worker a user implements, and the wrapper the executors drive.
+
+:class:`WorkerBase` is the protocol: every executor calls these methods by
+name (``collective_rpc("execute_model", ...)``); the defaults make a trivial
+worker work out of the box.  A worker does not have to inherit from it; any
+class with the methods it is called with will do.
+
+:class:`WorkerWrapperBase` sits between an executor and the worker: it is
+created first (cheaply, knowing only its ranks), picks its own constructor
+arguments out of a list that has one entry per rank (``init_worker``), builds
+the configured worker class, and from then on forwards every attribute it
+does not have itself to the worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Lock as LockType
+
+    from mpexec.config import ExecutorConfig
+    from mpexec.outputs import DraftTokenIds, GrammarOutput, SchedulerOutput
+
+
+def resolve_class(spec: type | str, what: str = "class") -> type:
+    """``spec`` itself, or the class a ``"module:Class"`` name points at."""
+    if isinstance(spec, type):
+        return spec
+    module_name, sep, qualname = spec.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ValueError(f"{what} must be a class or 'module:Class'; got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{what} {spec!r}: {module_name} has no {qualname}") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"{what} {spec!r} is not a class")
+    return obj
+
+
+class WorkerBase:
+    """One model shard in one process (or in the driver, for UniProcExecutor)."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+        shared_worker_lock: LockType | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.shared_worker_lock = shared_worker_lock
+        self.kwargs = kwargs
+
+    def init_device(self) -> None:
+        """Claim the device and set up process groups (nothing by default)."""
+
+    def load_model(self) -> None:
+        """Load weights (nothing by default)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement execute_model")
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
+        return None
+
+    def execute_dummy_batch(self) -> None:
+        """Run a throw-away step (warm-up, filling pipeline bubbles)."""
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return None
+
+    def check_health(self) -> None:
+        """Raise if this worker cannot serve; returning means healthy."""
+
+    def shutdown(self) -> None:
+        """Release the device and process groups (nothing by default)."""
+
+
+class WorkerWrapperBase:
+    """Builds the configured worker lazily and forwards attributes to it."""
+
+    def __init__(self, rpc_rank: int = 0, global_rank: int | None = None) -> None:
+        self.rpc_rank = rpc_rank
+        self.global_rank = rpc_rank if global_rank is None else global_rank
+        self.worker: Any = None
+
+    def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
+        """Construct the worker from ``all_kwargs[self.rpc_rank]``.
+
+        The entry holds the standard arguments (``config`` among them); the
+        config's ``worker_kwargs`` are added to them.
+        """
+        kwargs = dict(all_kwargs[self.rpc_rank])
+        config: ExecutorConfig = kwargs["config"]
+        worker_cls = resolve_class(config.worker_cls, "worker_cls")
+        self.worker = worker_cls(**kwargs, **config.worker_kwargs)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes the wrapper lacks.  Going through
+        # __dict__ keeps this safe while the object is half-built (unpickling).
+        worker = self.__dict__.get("worker")
+        if worker is None:
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r} (worker not initialised)"
+            )
+        return getattr(worker, name)
