@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
-from multiprocessing import resource_tracker
 import os
 import signal
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest

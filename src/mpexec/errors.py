@@ -82,7 +82,8 @@ class WorkerError(MpexecError, RuntimeError):
         base = super().__str__()
         if not self.remote_traceback:
             return base
-        return f"{base}\n\nRemote traceback (rank {self.rank}, pid {self.pid}):\n{self.remote_traceback}"
+        where = f"rank {self.rank}, pid {self.pid}"
+        return f"{base}\n\nRemote traceback ({where}):\n{self.remote_traceback}"
 
 
 class WorkerDiedError(MpexecError, RuntimeError):

@@ -43,8 +43,7 @@ def test_messages_arrive_in_order_inline_and_bulk(pair: tuple[MessageQueue, Mess
             assert reader.dequeue(timeout=5) == (round_, size, b"x" * size)
 
 
-def test_bulk_arrays_are_private_writable_views(pair: tuple[MessageQueue, MessageQueue]) -> None:
-    writer, reader = pair
+def test_bulk_arrays_are_private_writable_views() -> None:
     second = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)
     readers = [MessageQueue.create_from_handle(second.export_handle(), r) for r in (0, 1)]
     try:
@@ -82,7 +81,7 @@ def test_bulk_slots_are_reused_only_after_release() -> None:
 def test_unpicklable_raises_at_enqueue_and_queue_stays_usable(
         pair: tuple[MessageQueue, MessageQueue]) -> None:
     writer, reader = pair
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(Exception, match=r"pickle|lambda"):
         writer.enqueue(("bad", lambda: 1))
     writer.enqueue("good")
     assert reader.dequeue(timeout=5) == "good"
@@ -101,7 +100,7 @@ def test_enqueue_on_full_ring_times_out_and_recovers(
     writer, reader = pair
     for i in range(4):
         writer.enqueue(i, timeout=1)
-    with pytest.raises(TimeoutError, match="ring full.*behind by 4"):
+    with pytest.raises(TimeoutError, match=r"ring full.*behind by 4"):
         writer.enqueue(4, timeout=0.2)
     assert reader.dequeue(timeout=1) == 0
     writer.enqueue(4, timeout=1)
@@ -151,7 +150,7 @@ def test_shutdown_from_another_thread_wakes_a_blocked_call(side: str) -> None:
                 reader.dequeue(timeout=30)
             else:
                 writer.enqueue(1, timeout=30)
-        except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+        except BaseException as err:
             outcome.append(err)
 
     thread = threading.Thread(target=blocked)
@@ -183,9 +182,9 @@ def test_idle_reader_logs_who_is_behind(caplog: pytest.LogCaptureFixture) -> Non
     other = MessageQueue.create_from_handle(handle, 1)
     writer.enqueue(1)
     assert reader.dequeue(timeout=1) == 1
-    with caplog.at_level(logging.WARNING, logger="mpexec.ipc.message_queue"):
-        with pytest.raises(TimeoutError):
-            reader.dequeue(timeout=0.5)
+    with (caplog.at_level(logging.WARNING, logger="mpexec.ipc.message_queue"),
+          pytest.raises(TimeoutError)):
+        reader.dequeue(timeout=0.5)
     assert "rank 1 read 0 (behind by 1)" in caplog.text
     for q in (reader, other, writer):
         q.shutdown()

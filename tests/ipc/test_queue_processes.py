@@ -149,7 +149,7 @@ def test_writer_sigkill_gives_readers_peer_died() -> None:
         os.kill(proc.pid, signal.SIGKILL)
         assert [reader.dequeue(timeout=5), reader.dequeue(timeout=5)] == [0, 1]
         started = time.monotonic()
-        with pytest.raises(PeerDiedError, match="writer process .* died") as info:
+        with pytest.raises(PeerDiedError, match=r"writer process .* died") as info:
             reader.dequeue(timeout=10)
         assert info.value.pid == proc.pid
         assert time.monotonic() - started < 5

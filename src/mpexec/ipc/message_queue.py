@@ -102,6 +102,11 @@ class Handle:
 class MessageQueue:
     """One writer, ``n_reader`` readers, messages delivered to all in order."""
 
+    local_reader_ranks: list[int]
+    connect_ip: str | None
+    _bulk: BulkWriter | None
+    _peers: dict[int, PeerWatch]
+
     def __init__(
         self,
         n_reader: int,
@@ -161,8 +166,8 @@ class MessageQueue:
         self.name = name
         self.n_reader = geometry.n_readers
         self.n_local_reader = geometry.n_readers
-        self.local_reader_ranks: list[int] = list(range(geometry.n_readers))
-        self.connect_ip: str | None = None
+        self.local_reader_ranks = list(range(geometry.n_readers))
+        self.connect_ip = None
         self._segment = segment
         self._layout = geometry
         self._cells = segment.cells
@@ -179,8 +184,8 @@ class MessageQueue:
         self._tick_s = tick_s
         self._log_interval_s = log_interval_s
         self._encoder = Encoder()
-        self._bulk: BulkWriter | None = None
-        self._peers: dict[int, PeerWatch] = {}
+        self._bulk = None
+        self._peers = {}
         self._ready = False
         self._write_seq_addr = segment.address + sync.low_word_offset(
             layout.WRITE_SEQ_CELL * 8)

@@ -182,7 +182,7 @@ def write_into(frame: Frame, target: memoryview) -> None:
         size = _nbytes(piece)
         target[pos:pos + size] = piece
         pos += size
-    for start, buf in zip(frame.buffer_offsets, frame.buffers):
+    for start, buf in zip(frame.buffer_offsets, frame.buffers, strict=True):
         target[start:start + buf.nbytes] = buf
 
 
@@ -190,7 +190,7 @@ def iter_pieces(frame: Frame) -> list[Any]:
     """The frame as consecutive byte pieces, alignment gaps included (for writev)."""
     out: list[Any] = [frame.header, *frame.pieces]
     end = len(frame.header) + frame.pickle_len
-    for start, buf in zip(frame.buffer_offsets, frame.buffers):
+    for start, buf in zip(frame.buffer_offsets, frame.buffers, strict=True):
         if start > end:
             out.append(bytes(start - end))
         out.append(buf)
