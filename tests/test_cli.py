@@ -120,3 +120,15 @@ def test_doctor_missing_dev_shm_is_only_a_warning(tmp_path: Path) -> None:
     check = doctor.check_dev_shm(str(tmp_path / "missing"))
     assert check.status == "WARN"
     assert "memfd" in check.detail
+
+
+def test_demo_runs_end_to_end() -> None:
+    result = run_mpexec("demo", "--workers", "2", "--calls", "50", "--payload-mib", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "FAILED" not in out
+    assert "rank 0 pid" in out and "rank 1 pid" in out
+    assert "WorkerError from rank 1 (ValueError)" in out
+    assert "worker processes left: none" in out
+    # the failing worker's own log line carries its prefix
+    assert "(Worker_TP1 pid=" in result.stderr

@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "ExecutorConfig": "mpexec.config",
     "ParallelConfig": "mpexec.config",
     "SchedulerConfig": "mpexec.config",
+    "Executor": "mpexec.executor",
     "MessageQueue": "mpexec.ipc",
     "Handle": "mpexec.ipc",
     "MpexecError": "mpexec.errors",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         WorkerError as WorkerError,
         WorkerStartupError as WorkerStartupError,
     )
+    from mpexec.executor import Executor as Executor
     from mpexec.ipc import Handle as Handle, MessageQueue as MessageQueue
 
 

@@ -27,20 +27,17 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from mpexec.errors import WorkerError
+from mpexec.executor.worker_base import WorkerBase
 
 PROCESS_EXIT_TIMEOUT_S = 10.0
 
 
-class DemoWorker:
+class DemoWorker(WorkerBase):
     """A worker that does a little CPU work on what the driver broadcasts."""
 
-    def __init__(self, *, rank: int, local_rank: int = 0, **_standard: Any) -> None:
-        self.rank = rank
-        self.local_rank = local_rank
-        self.world_size = 1
-
-    def set_world_size(self, world_size: int) -> None:
-        self.world_size = world_size
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
 
     def ping(self) -> None:
         """The no-op whose round trip the demo times."""
@@ -62,12 +59,15 @@ def run(*, workers: int, calls: int, payload_bytes: int, out: TextIO) -> int:
     from mpexec.config import ExecutorConfig, ParallelConfig
     from mpexec.executor import Executor
 
-    config = ExecutorConfig(
+    # from_env: MPEXEC_WORKER_MULTIPROC_METHOD=spawn mpexec demo tries another start method.
+    config = ExecutorConfig.from_env(
         worker_cls=f"{__name__}:DemoWorker",
         parallel=ParallelConfig(tensor_parallel_size=workers),
         device_type="cpu",
+        log_level="WARNING",
     )
     report = _Report(out)
+    out.write(f"mpexec demo: {workers} worker processes, {calls} timed calls\n")
     started = time.perf_counter()
     with Executor.get_class(config)(config) as executor:
         report.line(
@@ -80,7 +80,6 @@ def run(*, workers: int, calls: int, payload_bytes: int, out: TextIO) -> int:
         who = executor.collective_rpc(lambda worker: (worker.rank, os.getpid()))
         pids = [pid for _, pid in who]
         report.line("ranks", ", ".join(f"rank {r} pid {p}" for r, p in who))
-        executor.collective_rpc("set_world_size", args=(workers,))
 
         payload = os.urandom(payload_bytes)
         t0 = time.perf_counter()
@@ -122,7 +121,7 @@ def run(*, workers: int, calls: int, payload_bytes: int, out: TextIO) -> int:
         alive = executor.collective_rpc(lambda worker: worker.rank)
         report.check("after error", alive == list(range(workers)), "executor still answers")
 
-        report.line("stats", "")
+        report.line("stats", "per method, as executor.stats() reports them")
         report.table(_stats_rows(executor.stats()))
         stop = time.perf_counter()
     left = _wait_gone(pids, PROCESS_EXIT_TIMEOUT_S)
@@ -184,7 +183,7 @@ def _p99(samples: list[float]) -> float:
 
 
 def _us(seconds: float) -> str:
-    if seconds >= 0.01:
+    if seconds >= 1e-3:
         return f"{seconds * 1e3:.1f} ms"
     return f"{seconds * 1e6:.0f} us"
 

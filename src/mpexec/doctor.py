@@ -237,8 +237,15 @@ def check_open_files() -> Check:
 def check_torch() -> Check:
     if importlib.util.find_spec("torch") is None:
         return Check("torch", "OK", "not installed (optional: pip install 'mpexec[torch]')")
-    import torch  # only imported when installed: it takes seconds
-
+    try:
+        import torch  # only imported when installed: it takes seconds
+    except Exception as exc:  # mpexec itself does not need torch: a broken one is a warning
+        return Check(
+            "torch",
+            "WARN",
+            f"installed but does not import: {type(exc).__name__}: {exc}",
+            "reinstall torch, or uninstall it if no worker needs it",
+        )
     version = torch.__version__
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
