@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,9 @@ import mpexec
 from mpexec import cli, doctor
 
 SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
+
+# Several tests start processes: each must leave none behind (see conftest).
+pytestmark = pytest.mark.usefixtures("leak_check")
 
 
 def run_mpexec(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -132,3 +137,10 @@ def test_demo_runs_end_to_end() -> None:
     assert "worker processes left: none" in out
     # the failing worker's own log line carries its prefix
     assert "(Worker_TP1 pid=" in result.stderr
+    # the workers were grandchildren, out of leak_check's sight: check them by pid
+    pids = [int(p) for p in re.findall(r"rank \d+ pid (\d+)", out)]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]

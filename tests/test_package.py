@@ -15,6 +15,8 @@ import mpexec
 ROOT = Path(__file__).resolve().parents[1]
 SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
 
+pytestmark = pytest.mark.usefixtures("leak_check")
+
 
 def test_import_is_cheap_and_torch_free() -> None:
     code = (
@@ -70,3 +72,20 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_version_matches_pyproject() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{mpexec.__version__}"' in pyproject
+
+
+def test_readme_quick_start_runs(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert blocks, "README.md has no Python example"
+    script = tmp_path / "quick_start.py"
+    script.write_text(blocks[0])
+    env = dict(os.environ, PYTHONPATH=SRC_DIR)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "[49, 49]"
+    assert lines[2] == "9"
+    assert lines[3].startswith("MethodStats(calls=2")

@@ -129,6 +129,7 @@ def test_worker_process_name(
 # ---------------------------------------------------------------- process title
 
 
+@pytest.mark.usefixtures("leak_check")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/comm")
 def test_set_process_title_in_child() -> None:
     result = run_python(
@@ -186,6 +187,7 @@ def test_prefixed_stream_carriage_return_starts_a_line() -> None:
     assert out.getvalue() == "> 10%\r> 20%\r"
 
 
+@pytest.mark.usefixtures("leak_check")
 def test_decorate_logs_prefixes_prints_and_logs() -> None:
     result = run_python(
         """
