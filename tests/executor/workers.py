@@ -63,6 +63,8 @@ class EchoWorker(WorkerBase):
             raise RuntimeError(f"boom in {stage} on rank {self.rank}")
         if self.fail_at == f"{stage}:exit":
             os._exit(3)
+        if self.fail_at == f"{stage}:hang":
+            time.sleep(60)
 
     def init_device(self) -> None:
         self._maybe_fail("init_device")
