@@ -203,3 +203,15 @@ def test_nothing_named_in_dev_shm_and_fds_closed() -> None:
         q.shutdown()  # idempotent
     gc.collect()
     # leak_check asserts that no descriptor is left open
+
+
+def test_no_room_for_the_segment_names_mib_needed_and_available(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match=r"cannot reserve 4\.\d MiB .* memory available: [\d.]+ MiB"):
+        MessageQueue(1, 1, max_chunk_bytes=512 * 1024, max_chunks=8)

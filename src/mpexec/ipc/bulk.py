@@ -32,9 +32,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from mpexec.ipc import layout
+from mpexec.ipc import layout, sync
 from mpexec.ipc.serialization import Frame, iter_pieces
-from mpexec.ipc.shm import create_memfd, open_peer_fd, reservation_error, segment_name
+from mpexec.ipc.shm import (
+    Segment,
+    create_memfd,
+    open_peer_fd,
+    reservation_error,
+    segment_name,
+)
 
 MIN_SEGMENT = 1 << 20
 _IOV_MAX = 1024
@@ -175,3 +181,19 @@ def map_bulk(pid: int, fd: int, inode: int, size: int, what: str,
     if on_release is not None:
         weakref.finalize(mapping, on_release)
     return memoryview(mapping)
+
+
+class BulkRelease:
+    """Finalizer of a bulk mapping: tells the writer this reader let go."""
+
+    __slots__ = ("segment", "cell", "generation")
+
+    def __init__(self, segment: Segment, cell: int, generation: int) -> None:
+        self.segment = segment
+        self.cell = cell
+        self.generation = generation
+
+    def __call__(self) -> None:
+        if not self.segment.closed:
+            sync.release_fence()
+            self.segment.cells[self.cell] = self.generation

@@ -60,16 +60,16 @@ import logging
 import os
 import secrets
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpexec.errors import PeerDiedError, QueueClosedError
+from mpexec.errors import QueueClosedError
 from mpexec.ipc import layout, sync
-from mpexec.ipc.bulk import BulkWriter, map_bulk
+from mpexec.ipc.bulk import BulkRelease, BulkWriter, map_bulk
+from mpexec.ipc.endpoint import QueueEnd
 from mpexec.ipc.layout import RingLayout
 from mpexec.ipc.peers import PeerWatch
-from mpexec.ipc.serialization import Encoder, decode, write_into
+from mpexec.ipc.serialization import decode, write_into
 from mpexec.ipc.shm import Segment, SegmentRef, segment_name
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,6 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_SPIN_S = 0.001
 DEFAULT_TICK_S = 0.05
 DEFAULT_LOG_INTERVAL_S = 60.0
-_PURE_SPINS = 64
-_YIELD_BATCH = 8
 _CLOSE_GRACE_S = 2.0
 
 
@@ -99,13 +97,8 @@ class Handle:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class MessageQueue:
+class MessageQueue(QueueEnd):
     """One writer, ``n_reader`` readers, messages delivered to all in order."""
-
-    local_reader_ranks: list[int]
-    connect_ip: str | None
-    _bulk: BulkWriter | None
-    _peers: dict[int, PeerWatch]
 
     def __init__(
         self,
@@ -158,48 +151,6 @@ class MessageQueue:
         self.connect_ip = connect_ip
         self._token = token
         self._bulk = BulkWriter(name, self._bulk_released)
-
-    def _setup(self, segment: Segment, geometry: RingLayout, name: str,
-               reader_index: int | None, writer_pid: int, spin_s: float, tick_s: float,
-               log_interval_s: float) -> None:
-        """Every attribute, for both ends (so no attribute exists on one path only)."""
-        self.name = name
-        self.n_reader = geometry.n_readers
-        self.n_local_reader = geometry.n_readers
-        self.local_reader_ranks = list(range(geometry.n_readers))
-        self.connect_ip = None
-        self._segment = segment
-        self._layout = geometry
-        self._cells = segment.cells
-        self._bytes = segment.bytes
-        self._reader = reader_index
-        self._is_writer = reader_index is None
-        self._writer_pid = writer_pid
-        self._pid = os.getpid()
-        self._token = 0
-        self._seq = 0
-        self._closed = False
-        self._busy = False
-        self._spin_s = spin_s
-        self._tick_s = tick_s
-        self._log_interval_s = log_interval_s
-        self._encoder = Encoder()
-        self._bulk = None
-        self._peers = {}
-        self._ready = False
-        self._write_seq_addr = segment.address + sync.low_word_offset(
-            layout.WRITE_SEQ_CELL * 8)
-        self._ready_addr = segment.address + sync.low_word_offset(layout.READY_CELL * 8)
-        self._read_seq_cells = [geometry.reader_cell(r, layout.READ_SEQ)
-                                for r in range(geometry.n_readers)]
-        self._sleeping_cells = [geometry.reader_cell(r, layout.SLEEPING)
-                                for r in range(geometry.n_readers)]
-        self._chunk_offsets = [geometry.chunk_offset(i) for i in range(geometry.max_chunks)]
-        self._max_chunks = geometry.max_chunks
-        self._chunk_bytes = geometry.chunk_bytes
-        # The writer may publish every seq below this without looking at readers.
-        self._free_until = geometry.max_chunks
-        self._finalizer = weakref.finalize(self, _release_local, segment, self._peers)
 
     # -- construction on the reader side -------------------------------------
 
@@ -273,36 +224,19 @@ class MessageQueue:
         if self._is_writer:
             state_cells = [self._layout.reader_cell(r, layout.STATE)
                            for r in range(self._layout.n_readers)]
-            self._sleep_until(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
-                              None, deadline, "wait_until_ready (readers attaching)")
+            self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
+                       None, None, deadline, self._check_all_readers,
+                       "wait_until_ready (readers attaching)")
             sync.release_fence()
             cells[layout.READY_CELL] = 1
             sync.full_fence()
             sync.futex_wake(self._ready_addr)
         else:
-            self._sleep_until(lambda: cells[layout.READY_CELL] == 1,
-                              (self._ready_addr, lambda: 0), deadline,
-                              "wait_until_ready (writer)")
+            ready_addr = self._ready_addr
+            self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
+                       deadline, self._check_writer, "wait_until_ready (writer)")
             sync.acquire_fence()
         self._ready = True
-
-    def _sleep_until(self, done: Any, futex: tuple[int, Any] | None,
-                     deadline: float | None, what: str) -> None:
-        """Slow-path wait for the handshake (rare: plain ticks are fine)."""
-        pause = 0.0005
-        while not done():
-            self._check_open()
-            self._check_peers_alive()
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"queue {self.name!r}: {what} timed out; "
-                                   f"{self._describe_progress()}")
-            wait = pause if deadline is None else min(pause, deadline - now)
-            if futex is not None:
-                sync.futex_wait(futex[0], futex[1](), wait)
-            else:
-                time.sleep(wait)
-            pause = min(pause * 2, self._tick_s)
 
     # -- writer ---------------------------------------------------------------
 
@@ -358,48 +292,19 @@ class MessageQueue:
     def _wait_for_space(self, must_exceed: int, deadline: float | None) -> None:
         cells = self._cells
         read_cells = self._read_seq_cells
-        for _ in range(_PURE_SPINS):
-            if min(cells[c] for c in read_cells) > must_exceed:
-                return
-        spin_end = time.monotonic() + self._spin_s
-        while True:
-            for _ in range(_YIELD_BATCH):
-                sync.cpu_relax()
-                if min(cells[c] for c in read_cells) > must_exceed:
-                    return
-            now = time.monotonic()
-            if self._closed or now >= spin_end or (deadline is not None and now >= deadline):
-                break
-        started = time.monotonic()
-        next_log = started + self._log_interval_s
-        while True:
-            self._check_open()
-            laggard = min(range(len(read_cells)), key=lambda r: cells[read_cells[r]])
-            cell = read_cells[laggard]
-            cells[layout.WRITER_WAITING_CELL] = 1
-            observed = cells[cell]
-            if observed > must_exceed:
-                cells[layout.WRITER_WAITING_CELL] = 0
-                return
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                cells[layout.WRITER_WAITING_CELL] = 0
-                raise TimeoutError(f"queue {self.name!r}: enqueue timed out, ring full; "
-                                   f"{self._describe_progress()}")
-            wait = self._tick_s if deadline is None else min(self._tick_s, deadline - now)
-            sync.futex_wait(self._segment.address + sync.low_word_offset(cell * 8),
-                            observed, wait)
-            cells[layout.WRITER_WAITING_CELL] = 0
-            if cells[cell] > must_exceed and min(cells[c] for c in read_cells) > must_exceed:
-                return
-            for reader, read_cell in enumerate(read_cells):
-                if cells[read_cell] <= must_exceed:
+        base = self._segment.address
+
+        def futex_word() -> tuple[int, int]:
+            laggard = min(read_cells, key=cells.__getitem__)
+            return base + sync.low_word_offset(laggard * 8), cells[laggard]
+
+        def check_behind() -> None:
+            for reader, cell in enumerate(read_cells):
+                if cells[cell] <= must_exceed:
                     self._check_reader(reader)
-            now = time.monotonic()
-            if now >= next_log:
-                logger.warning("queue %r: ring full for %.0f s; %s", self.name, now - started,
-                               self._describe_progress())
-                next_log = now + self._log_interval_s
+
+        self._wait(lambda: min(cells[c] for c in read_cells) > must_exceed, futex_word,
+                   layout.WRITER_WAITING_CELL, deadline, check_behind, "enqueue (ring full)")
 
     def _bulk_released(self, slot: int, generation: int) -> bool:
         cells = self._cells
@@ -455,115 +360,22 @@ class MessageQueue:
         slot = int(cells[head + layout.BULK_SLOT])
         on_release = None
         if slot != layout.NO_SLOT:
-            on_release = _Release(self._segment, self._layout.release_cell(reader, slot),
+            on_release = BulkRelease(self._segment, self._layout.release_cell(reader, slot),
                                   int(cells[head + layout.BULK_GENERATION]))
         return map_bulk(self._writer_pid, int(cells[head + layout.BULK_FD]),
                         int(cells[head + layout.BULK_INODE]), size,
                         f"queue {self.name!r}", on_release)
 
     def _wait_for_message(self, seq: int, deadline: float | None, indefinite: bool) -> None:
+        assert self._reader is not None
         cells = self._cells
         ws = layout.WRITE_SEQ_CELL
-        for _ in range(_PURE_SPINS):
-            if cells[ws] > seq:
-                return
-        spin_end = time.monotonic() + self._spin_s
-        while True:
-            for _ in range(_YIELD_BATCH):
-                sync.cpu_relax()
-                if cells[ws] > seq:
-                    return
-            now = time.monotonic()
-            if self._closed or now >= spin_end or (deadline is not None and now >= deadline):
-                break
-        assert self._reader is not None
-        sleeping = self._sleeping_cells[self._reader]
-        started = time.monotonic()
-        next_log = started + self._log_interval_s
-        next_check = started
-        while True:
-            self._check_open()
-            cells[sleeping] = 1
-            observed = cells[ws]
-            if observed > seq:
-                cells[sleeping] = 0
-                return
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                cells[sleeping] = 0
-                raise TimeoutError(f"queue {self.name!r}: dequeue timed out; "
-                                   f"{self._describe_progress()}")
-            wait = self._tick_s if deadline is None else min(self._tick_s, deadline - now)
-            sync.futex_wait(self._write_seq_addr, observed, wait)
-            cells[sleeping] = 0
-            if cells[ws] > seq:
-                return
-            now = time.monotonic()
-            if now >= next_check:
-                self._check_writer()
-                next_check = now + self._tick_s
-            if now >= next_log:
-                level = logging.DEBUG if indefinite else logging.WARNING
-                logger.log(level, "queue %r: no message for %.0f s; %s", self.name,
-                           now - started, self._describe_progress())
-                next_log = now + self._log_interval_s
+        ws_addr = self._write_seq_addr
+        self._wait(lambda: cells[ws] > seq, lambda: (ws_addr, cells[ws]),
+                   self._sleeping_cells[self._reader], deadline, self._check_writer, "dequeue",
+                   logging.DEBUG if indefinite else logging.WARNING)
 
-    # -- liveness and closing -------------------------------------------------
-
-    def _require_writer(self, operation: str) -> None:
-        if not self._is_writer:
-            raise RuntimeError(f"{operation}() called on a reader end of queue {self.name!r}; "
-                               "only the writer may call it")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise QueueClosedError(f"queue {self.name!r} was shut down")
-
-    def _check_writer(self) -> None:
-        if self._cells[layout.CLOSED_CELL]:
-            raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
-        if not self._peer(self._writer_pid).alive():
-            raise PeerDiedError(f"queue {self.name!r}: writer process {self._writer_pid} died",
-                                pid=self._writer_pid, role="writer")
-
-    def _check_reader(self, reader: int) -> None:
-        geometry = self._layout
-        rank = self.local_reader_ranks[reader]
-        state = self._cells[geometry.reader_cell(reader, layout.STATE)]
-        if state == layout.STATE_CLOSED:
-            raise QueueClosedError(f"queue {self.name!r}: reader rank {rank} shut down "
-                                   "and will not consume more messages")
-        pid = int(self._cells[geometry.reader_cell(reader, layout.PID)])
-        if state == layout.STATE_ATTACHED and not self._peer(pid).alive():
-            raise PeerDiedError(f"queue {self.name!r}: reader rank {rank} (process {pid}) died",
-                                pid=pid, role=f"reader {rank}")
-
-    def _check_peers_alive(self) -> None:
-        if self._is_writer:
-            for reader in range(self._layout.n_readers):
-                self._check_reader(reader)
-        else:
-            self._check_writer()
-
-    def _peer(self, pid: int) -> PeerWatch:
-        watch = self._peers.get(pid)
-        if watch is None:
-            watch = self._peers[pid] = PeerWatch(pid)
-        return watch
-
-    def _describe_progress(self) -> str:
-        cells = self._cells
-        written = int(cells[layout.WRITE_SEQ_CELL])
-        parts = []
-        for r, cell in enumerate(self._read_seq_cells):
-            read = int(cells[cell])
-            behind = f" (behind by {written - read})" if read < written else ""
-            parts.append(f"rank {self.local_reader_ranks[r]} read {read}{behind}")
-        return f"writer published {written}; " + ", ".join(parts)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    # -- closing --------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Close this end; wakes blocked calls here at once, the other side soon."""
@@ -601,26 +413,3 @@ class MessageQueue:
         state = "closed" if self._closed else "open"
         return (f"<MessageQueue {self.name!r} {role} {state} readers={self._layout.n_readers} "
                 f"chunks={self._layout.max_chunks}x{self._layout.chunk_bytes}>")
-
-
-class _Release:
-    """Finalizer of a bulk mapping: tells the writer this reader let go."""
-
-    __slots__ = ("segment", "cell", "generation")
-
-    def __init__(self, segment: Segment, cell: int, generation: int) -> None:
-        self.segment = segment
-        self.cell = cell
-        self.generation = generation
-
-    def __call__(self) -> None:
-        if not self.segment.closed:
-            sync.release_fence()
-            self.segment.cells[self.cell] = self.generation
-
-
-def _release_local(segment: Segment, peers: dict[int, PeerWatch]) -> None:
-    for watch in peers.values():
-        watch.close()
-    peers.clear()
-    segment.close()
