@@ -392,3 +392,28 @@ def test_online_cpus_includes_ours() -> None:
         assert os.sched_getaffinity(0) <= system.online_cpus()
     else:
         assert system.online_cpus()
+
+
+@pytest.mark.usefixtures("leak_check")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_prefixed_stream_usable_in_child_forked_while_locked() -> None:
+    result = run_python(
+        """
+        import os, sys
+        from mpexec.system import decorate_logs
+        decorate_logs("Driver")
+        sys.stdout._lock.acquire()  # as if another thread were mid-write at fork time
+        pid = os.fork()
+        if pid == 0:
+            decorate_logs("Worker")
+            print("child says hi", flush=True)
+            os._exit(0)
+        sys.stdout._lock.release()
+        _, status = os.waitpid(pid, 0)
+        print("child status", os.waitstatus_to_exitcode(status))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(Worker pid=" in result.stdout
+    assert "child says hi" in result.stdout
+    assert result.stdout.strip().endswith("child status 0")

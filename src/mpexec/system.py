@@ -223,6 +223,18 @@ def decorate_logs(prefix: str) -> None:
         _repoint_log_handlers(current, wrapped)
 
 
+def _fresh_locks_after_fork() -> None:
+    # A thread of the parent may have held a stream's lock at fork time; in
+    # the child that thread does not exist and the lock would never be freed.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, PrefixedStream):
+            stream._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+
+
 def _repoint_log_handlers(old: TextIO, new: PrefixedStream) -> None:
     loggers: list[logging.Logger] = [logging.getLogger()]
     loggers += [
