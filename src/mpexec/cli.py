@@ -11,6 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+# by the number of -v flags; workers log at the same level as the driver
+_LOG_LEVELS = ("WARNING", "INFO", "DEBUG")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from mpexec import __version__
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="start workers and show what the executor does",
         description="Start workers, broadcast calls, time them, show an error and shut down.",
+        epilog="MPEXEC_* variables apply, e.g. MPEXEC_WORKER_MULTIPROC_METHOD=spawn mpexec demo",
     )
     demo.add_argument("--workers", type=_positive_int, default=2, help="worker processes (2)")
     demo.add_argument("--calls", type=_positive_int, default=1000, help="no-op calls timed (1000)")
@@ -54,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    level = _LOG_LEVELS[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     code: int = handler(args)
     return code
@@ -72,7 +76,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     from mpexec import demo
 
     return demo.run(
-        workers=args.workers, calls=args.calls, payload_bytes=args.payload_mib << 20, out=sys.stdout
+        workers=args.workers,
+        calls=args.calls,
+        payload_bytes=args.payload_mib << 20,
+        out=sys.stdout,
+        log_level=_LOG_LEVELS[min(args.verbose, 2)],
     )
 
 

@@ -54,7 +54,9 @@ class DemoWorker(WorkerBase):
             raise ValueError(f"{message} (raised on rank {self.rank})")
 
 
-def run(*, workers: int, calls: int, payload_bytes: int, out: TextIO) -> int:
+def run(
+    *, workers: int, calls: int, payload_bytes: int, out: TextIO, log_level: str = "WARNING"
+) -> int:
     """Run the demo with ``workers`` processes, printing the report to ``out``."""
     from mpexec.config import ExecutorConfig, ParallelConfig
     from mpexec.executor import Executor
@@ -64,7 +66,7 @@ def run(*, workers: int, calls: int, payload_bytes: int, out: TextIO) -> int:
         worker_cls=f"{__name__}:DemoWorker",
         parallel=ParallelConfig(tensor_parallel_size=workers),
         device_type="cpu",
-        log_level="WARNING",
+        log_level=log_level,
     )
     report = _Report(out)
     out.write(f"mpexec demo: {workers} worker processes, {calls} timed calls\n")
