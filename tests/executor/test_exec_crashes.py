@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from tests.executor.conftest import make_config
+from tests.executor.workers import CustomError
 
 from mpexec.errors import WorkerDiedError, WorkerError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
-from tests.executor.conftest import make_config
-from tests.executor.workers import CustomError
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -157,10 +157,13 @@ def test_startup_timeout_reaps_the_slow_worker() -> None:
 
 def test_pending_non_block_calls_fail_when_a_worker_dies() -> None:
     with MultiprocExecutor(make_config()) as ex:
-        futures = [ex.collective_rpc("sleep", args=(0.05,), non_block=True) for _ in range(5)]
-        doomed = ex.collective_rpc("sigkill_self", kwargs={"only_rank": 0}, non_block=True)
+        done = [ex.collective_rpc("sleep", args=(0.01,), non_block=True) for _ in range(3)]
+        assert [f.result(timeout=30) for f in done] == [[0, 1]] * 3
+        doomed = ex.collective_rpc("sigkill_self", kwargs={"only_rank": 0, "delay_s": 0.2},
+                                   non_block=True)
         after = [ex.collective_rpc("sleep", args=(0.05,), non_block=True) for _ in range(5)]
-        assert [f.result(timeout=30) for f in futures] == [[0, 1]] * 5
+        # Every call not yet resolved when the worker died fails, even one
+        # whose replies were already on their way.
         for future in [doomed, *after]:
             with pytest.raises(WorkerDiedError, match="rank 0"):
                 future.result(timeout=30)

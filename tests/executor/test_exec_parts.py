@@ -6,13 +6,13 @@ import logging
 from concurrent.futures import Future
 
 import pytest
+from tests.executor.workers import CustomError
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerError
 from mpexec.executor import TerminationPolicy, UniProcExecutor
 from mpexec.executor.stats import CallStats
 from mpexec.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
-from tests.executor.workers import CustomError
 
 
 class FakeProc:
@@ -32,7 +32,7 @@ class FakeProc:
 
     def _signal(self, sig: str) -> None:
         self.signals.append(sig)
-        if self.honours == sig or sig == "SIGKILL" and self.honours != "nothing":
+        if self.honours == sig or (sig == "SIGKILL" and self.honours != "nothing"):
             self.exit_at = self.clock[0] + 0.5
 
     def terminate(self) -> None:

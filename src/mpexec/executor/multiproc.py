@@ -75,8 +75,10 @@ from mpexec.system import get_mp_context, maybe_force_spawn, set_worker_thread_e
 logger = logging.getLogger(__name__)
 
 # How long one enqueue attempt may wait for ring space before the driver
-# drains replies and tries again (see the module docstring).
-_ENQUEUE_SLICE_S = 0.005
+# drains replies and tries again (see the module docstring); the wait grows
+# while the workers are busy rather than blocked.
+_FIRST_ENQUEUE_WAIT_S = 0.0001
+_MAX_ENQUEUE_WAIT_S = 0.005
 _MONITOR_JOIN_S = 2.0
 _EXITCODE_WAIT_S = 1.0
 
@@ -118,10 +120,11 @@ class _Resources:
         for mq in self.queues:
             mq.shutdown()
         monitor = self.monitor
-        if monitor is not None and monitor is not threading.current_thread():
+        on_monitor = monitor is threading.current_thread()
+        if monitor is not None and not on_monitor:
             monitor.join(_MONITOR_JOIN_S)
-        if monitor is None or not monitor.is_alive():
-            # Only now: the monitor waits on the sentinels these would close.
+        if monitor is None or on_monitor or not monitor.is_alive():
+            # Only once the monitor no longer waits on the sentinels these close.
             for proc in self.procs:
                 if proc.exitcode is not None:
                     proc.close()
@@ -338,18 +341,22 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         mq = self.rpc_broadcast_mq
         assert mq is not None
+        # The first try does not wait: if the ring is full, the workers may be
+        # stuck on full reply rings, and only draining them lets them move.
+        wait_s = 0.0
         while True:
             try:
-                mq.enqueue(message, timeout=_ENQUEUE_SLICE_S)
+                mq.enqueue(message, timeout=wait_s)
                 return
             except TimeoutError:
-                pass  # the ring is full: let the workers move on (module docstring)
+                pass
             except QueueClosedError as exc:
                 raise self._closed_error(None, exc) from exc
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"RPC call to {name} timed out: the workers did not "
                                    "take it from the broadcast queue in time")
             self._drain_replies()
+            wait_s = min(max(2 * wait_s, _FIRST_ENQUEUE_WAIT_S), _MAX_ENQUEUE_WAIT_S)
 
     def _drain_replies(self) -> None:
         """Move every waiting reply into the stash, unless a reader is busy."""

@@ -258,7 +258,7 @@ class DeathPipeWatcher:
             pass
         except OSError:  # our own end was closed at exit
             return
-        logger.info("Driver went away; terminating worker queues")
+        logger.debug("Death pipe closed (driver gone or shutting down); stopping queues")
         with self._lock:
             self._driver_gone = True
             queues = self._queues
