@@ -154,6 +154,7 @@ class MultiprocExecutor(Executor):
         self._reply_lock = threading.Lock()
         self._stash: list[deque[Reply]] = []
         self._next_call_id = 0
+        self._all_ranks = tuple(range(self.world_size))
         self._death: tuple[int, int | None, int | None] | None = None
         super().__init__(config)
 
@@ -309,18 +310,15 @@ class MultiprocExecutor(Executor):
         if self.rpc_broadcast_mq is None or self.shutting_down:
             raise QueueClosedError("collective_rpc on an executor that is shut down "
                                    "(or on a follower node, which has no broadcast queue)")
-        started = time.perf_counter()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         name = method if isinstance(method, str) else getattr(method, "__qualname__", "callable")
         if kv_output_aggregator is not None:
-            output_rank = None
-            finish: Callable[[dict[int, Reply]], Any] = partial(
-                self._finish_aggregated, name, kv_output_aggregator, unique_reply_rank or 0)
-            ranks: list[int] = list(range(self.world_size))
+            output_rank = None  # the aggregator needs every worker's reply
+            ranks: tuple[int, ...] = self._all_ranks
         else:
             output_rank = unique_reply_rank
-            finish = partial(self._finish, name, output_rank is not None)
-            ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
+            ranks = self._all_ranks if output_rank is None else (output_rank,)
         if isinstance(method, str):
             send_method: str | bytes = method
         else:
@@ -330,13 +328,60 @@ class MultiprocExecutor(Executor):
             self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
                             deadline, name)
             self._next_call_id = call_id
-            future = FutureWrapper(self.futures_queue, self._reply_lock, self,
-                                   call_id=call_id, ranks=ranks, deadline=deadline,
-                                   finish=finish, method=name, timeout=timeout)
+            # Fast path: a blocking call with no call pending before it reads
+            # its replies itself, without a Future.  It takes the reply lock
+            # before the next call can be broadcast, so replies are still
+            # read in call order.
+            direct = (not non_block and not self.futures_queue
+                      and self._reply_lock.acquire(blocking=False))
+            if not direct:
+                future = FutureWrapper(
+                    self.futures_queue, self._reply_lock, self, call_id=call_id, ranks=ranks,
+                    deadline=deadline, method=name, timeout=timeout,
+                    finish=partial(self._complete, name, unique_reply_rank,
+                                   kv_output_aggregator))
+        if direct:
+            ok = False
+            try:
+                replies = self._read_replies(call_id, ranks, deadline, name, timeout)
+                value = self._complete(name, unique_reply_rank, kv_output_aggregator, replies)
+                ok = True
+                return value
+            finally:
+                self._reply_lock.release()
+                self.call_stats.record(name, time.monotonic() - started, ok)
         stats = self.call_stats
         future.add_done_callback(
-            lambda f: stats.record(name, time.perf_counter() - started, f.exception() is None))
+            lambda f: stats.record(name, time.monotonic() - started, f.exception() is None))
         return future if non_block else future.result()
+
+    def _read_replies(self, call_id: int, ranks: tuple[int, ...], deadline: float | None,
+                      name: str, timeout: float | None) -> dict[int, Reply]:
+        """The replies of ``call_id`` (fast path; the caller holds the reply lock)."""
+        replies: dict[int, Reply] = {}
+        for rank in ranks:
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    reply = self.read_reply(rank, remaining)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"RPC call to {name} timed out after {timeout:g}s") from None
+                if reply[0] == call_id:
+                    replies[rank] = reply
+                    break
+                if reply[0] > call_id:
+                    self.unread_reply(rank, reply)
+                    raise RuntimeError(f"rank {rank} answered call {reply[0]} before call "
+                                       f"{call_id} ({name})")
+                # else: the late reply of a call that timed out; drop it
+        return replies
+
+    def _complete(self, name: str, unique_reply_rank: int | None,
+                  aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:
+        if aggregator is not None:
+            return aggregator.aggregate(self._finish(name, False, replies), unique_reply_rank or 0)
+        return self._finish(name, unique_reply_rank is not None, replies)
 
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         mq = self.rpc_broadcast_mq
@@ -400,17 +445,18 @@ class MultiprocExecutor(Executor):
         return error
 
     def _finish(self, method: str, single: bool, replies: dict[int, Reply]) -> Any:
+        if single:
+            ((rank, (_, ok, payload)),) = replies.items()
+            if not ok:
+                raise self._worker_error(rank, method, payload)
+            return payload
         results = []
         for rank in sorted(replies):
             _, ok, payload = replies[rank]
             if not ok:
                 raise self._worker_error(rank, method, payload)
             results.append(payload)
-        return results[0] if single else results
-
-    def _finish_aggregated(self, method: str, aggregator: KVOutputAggregator,
-                           output_rank: int, replies: dict[int, Reply]) -> Any:
-        return aggregator.aggregate(self._finish(method, False, replies), output_rank)
+        return results
 
     # -- end --------------------------------------------------------------------------
 

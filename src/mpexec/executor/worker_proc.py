@@ -230,9 +230,12 @@ class WorkerProc:
 class DeathPipeWatcher:
     """Notices the driver going away (EOF on the death pipe) and ends the worker."""
 
-    def __init__(self, death_pipe: Connection | None, shutdown_requested: threading.Event):
+    def __init__(self, death_pipe: Connection | None) -> None:
         self._death_pipe = death_pipe
-        self._shutdown_requested = shutdown_requested
+        # Deliberately not the signal handler's flag: a worker still busy in
+        # a long method when the driver leaves must stay interruptible by
+        # the SIGTERM that follows, or only SIGKILL could end it.
+        self.stopping = threading.Event()
         self._queues: list[MessageQueue] | None = None
         self._lock = threading.Lock()
         self._driver_gone = False
@@ -269,7 +272,7 @@ class DeathPipeWatcher:
         self._shut_down_queues()
 
     def _shut_down_queues(self) -> None:
-        self._shutdown_requested.set()
+        self.stopping.set()
         for mq in self._queues or ():
             mq.shutdown()
 
@@ -308,7 +311,7 @@ def worker_main(**kwargs: Any) -> None:
     cpus = kwargs.pop("cpu_affinity", None)
     config: ExecutorConfig = kwargs["config"]
     rank: int = kwargs["rank"]
-    watcher = DeathPipeWatcher(death_pipe, shutdown_requested)
+    watcher = DeathPipeWatcher(death_pipe)
     worker: WorkerProc | None = None
     failed = False
     try:
@@ -342,7 +345,7 @@ def worker_main(**kwargs: Any) -> None:
             logger.exception("WorkerProc failed to start.")
             _report_startup_failure(ready_writer, rank, exc)
             failed = True
-        elif shutdown_requested.is_set():
+        elif shutdown_requested.is_set() or watcher.stopping.is_set():
             logger.info("WorkerProc shutting down.")
         else:
             logger.exception("WorkerProc failed.")
