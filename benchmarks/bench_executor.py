@@ -66,10 +66,10 @@ def pct(samples: list[float], q: float) -> float:
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
 # -- 1. round trip ---------------------------------------------------------------
@@ -192,7 +192,8 @@ def bench_lifecycle(reps: int) -> None:
 def bench_worker_kill(reps: int) -> None:
     samples = []
     for _ in range(reps):
-        with MultiprocExecutor(config(2)) as ex:
+        # The other worker is busy in the call: a short grace before SIGTERM.
+        with MultiprocExecutor(config(2, shutdown_grace_s=0.5)) as ex:
             victim = ex.workers[1].proc.pid
             killed_at: list[float] = []
 

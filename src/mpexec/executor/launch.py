@@ -10,26 +10,37 @@ with one ``multiprocessing.connection.wait``, so a worker that dies without a
 word is noticed as quickly as one that reports a failure.  The first failure
 becomes a ``WorkerStartupError`` carrying the worker's traceback; the caller
 then reaps every process started so far.
+
+``Resources`` lists what the driver started (processes, death pipes, queues,
+the monitor thread) apart from the executor, so that ``weakref.finalize`` can
+release it all - at shutdown, after a failed start, or at interpreter exit -
+without keeping the executor alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError, describe_exitcode
 from mpexec.executor.handles import UnreadyWorkerProcHandle, WorkerProcHandle
 from mpexec.executor.protocol import READY_STR
+from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.worker_proc import worker_main
 from mpexec.ipc import Handle, MessageQueue
-from mpexec.system import worker_thread_env
+from mpexec.system import maybe_force_spawn, set_worker_thread_env, worker_thread_env
 
 _EXITCODE_WAIT_S = 1.0
+_MONITOR_JOIN_S = 2.0
 
 
 def make_worker_process(
@@ -178,3 +189,50 @@ def wait_for_ready(
                 h.worker_response_mq.shutdown()
         raise
     return [h for h in ready if h is not None]
+
+
+def set_multiprocessing_worker_envs(config: ExecutorConfig) -> str:
+    """Prepare this process to start workers; returns the start method to use."""
+    method = maybe_force_spawn(config.mp_start_method)
+    if config.device_type != "cpu" and config.omp_num_threads is None:
+        # Accelerator workers: one OpenMP thread each unless the user tuned it.
+        set_worker_thread_env(None)
+    return method
+
+
+def get_open_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Resources:
+    """What must be released when the executor goes, held apart from it so
+    that ``weakref.finalize`` can release them without keeping it alive."""
+
+    def __init__(self, policy: TerminationPolicy) -> None:
+        self.policy = policy
+        self.owner_pid = os.getpid()
+        self.procs: list[BaseProcess] = []
+        self.death_writers: list[Connection] = []
+        self.queues: list[MessageQueue] = []
+        self.monitor: threading.Thread | None = None
+
+    def release(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # a forked copy must not touch the parent's workers
+        for conn in self.death_writers:
+            conn.close()
+        self.policy.terminate(self.procs)
+        for mq in self.queues:
+            mq.shutdown()
+        monitor = self.monitor
+        on_monitor = monitor is threading.current_thread()
+        if monitor is not None and not on_monitor:
+            monitor.join(_MONITOR_JOIN_S)
+        if monitor is None or on_monitor or not monitor.is_alive():
+            # Only once the monitor no longer waits on the sentinels these close.
+            for proc in self.procs:
+                if proc.exitcode is not None:
+                    proc.close()

@@ -36,17 +36,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import os
 import pickle
-import socket
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import cloudpickle
@@ -64,13 +60,19 @@ from mpexec.executor import tracing
 from mpexec.executor.abstract import Executor
 from mpexec.executor.futures import FutureWrapper, Reply
 from mpexec.executor.handles import UnreadyWorkerProcHandle, WorkerProcHandle
-from mpexec.executor.launch import make_worker_process, wait_for_ready
+from mpexec.executor.launch import (
+    Resources,
+    get_open_port,
+    make_worker_process,
+    set_multiprocessing_worker_envs,
+    wait_for_ready,
+)
 from mpexec.executor.protocol import RemoteFailure
 from mpexec.executor.ranks import global_start_rank, is_driver_worker
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc import Handle, MessageQueue
 from mpexec.outputs import KVOutputAggregator
-from mpexec.system import get_mp_context, maybe_force_spawn, set_worker_thread_env
+from mpexec.system import get_mp_context
 
 logger = logging.getLogger(__name__)
 
@@ -79,55 +81,7 @@ logger = logging.getLogger(__name__)
 # while the workers are busy rather than blocked.
 _FIRST_ENQUEUE_WAIT_S = 0.0001
 _MAX_ENQUEUE_WAIT_S = 0.005
-_MONITOR_JOIN_S = 2.0
 _EXITCODE_WAIT_S = 1.0
-
-
-def set_multiprocessing_worker_envs(config: ExecutorConfig) -> str:
-    """Prepare this process to start workers; returns the start method to use."""
-    method = maybe_force_spawn(config.mp_start_method)
-    if config.device_type != "cpu" and config.omp_num_threads is None:
-        # Accelerator workers: one OpenMP thread each unless the user tuned it.
-        set_worker_thread_env(None)
-    return method
-
-
-def _get_open_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class _Resources:
-    """What must be released when the executor goes, held apart from it so
-    that ``weakref.finalize`` can release them without keeping it alive."""
-
-    def __init__(self, policy: TerminationPolicy) -> None:
-        self.policy = policy
-        self.owner_pid = os.getpid()
-        self.procs: list[BaseProcess] = []
-        self.death_writers: list[Connection] = []
-        self.queues: list[MessageQueue] = []
-        self.monitor: threading.Thread | None = None
-
-    def release(self) -> None:
-        if os.getpid() != self.owner_pid:
-            return  # a forked copy must not touch the parent's workers
-        for conn in self.death_writers:
-            conn.close()
-        self.policy.terminate(self.procs)
-        for mq in self.queues:
-            mq.shutdown()
-        monitor = self.monitor
-        on_monitor = monitor is threading.current_thread()
-        if monitor is not None and not on_monitor:
-            monitor.join(_MONITOR_JOIN_S)
-        if monitor is None or on_monitor or not monitor.is_alive():
-            # Only once the monitor no longer waits on the sentinels these close.
-            for proc in self.procs:
-                if proc.exitcode is not None:
-                    proc.close()
 
 
 class MultiprocExecutor(Executor):
@@ -147,9 +101,13 @@ class MultiprocExecutor(Executor):
         self.shutting_down = False
         self.futures_queue: deque[FutureWrapper] = deque()
         self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
-        self._resources = _Resources(self.termination)
+        self._resources = Resources(self.termination)
         self._finalizer = weakref.finalize(self, self._resources.release)
         self._state_lock = threading.Lock()
+        self._shutdown_thread: threading.Thread | None = None
+        self._shutdown_done = threading.Event()
+        policy = self.termination
+        self._teardown_bound_s = policy.grace_s + policy.term_s + policy.kill_s + 10.0
         self._broadcast_lock = threading.Lock()
         self._reply_lock = threading.Lock()
         self._stash: list[deque[Reply]] = []
@@ -167,7 +125,7 @@ class MultiprocExecutor(Executor):
                 f"nnodes_within_dp = {parallel.nnodes_within_dp}: executors spanning several "
                 "nodes are not supported yet")
         method = set_multiprocessing_worker_envs(self.config)
-        distributed_init_method = f"tcp://127.0.0.1:{_get_open_port()}"
+        distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         deadline = time.monotonic() + self.config.startup_timeout_s
         unready: list[UnreadyWorkerProcHandle] = []
         success = False
@@ -204,6 +162,7 @@ class MultiprocExecutor(Executor):
             if not success:
                 self.shutting_down = True
                 self._finalizer()
+                self._shutdown_done.set()
 
     def _create_broadcast_queue(self) -> Handle | None:
         if self.parallel_config.node_rank_within_dp != 0:
@@ -462,14 +421,26 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         with self._state_lock:
-            if self.shutting_down:
-                return
+            first = not self.shutting_down
             self.shutting_down = True
+            if first:
+                self._shutdown_thread = threading.current_thread()
+        if not first:
+            # Another thread (the monitor, after a worker died) is tearing
+            # down: return only once it is done, so that no worker outlives
+            # this call - unless this *is* that thread (a failure callback).
+            if threading.current_thread() is not self._shutdown_thread:
+                self._shutdown_done.wait(self._teardown_bound_s)
+            return
         logger.debug("Triggering shutdown of workers")
-        for future in list(self.futures_queue):
-            future.fail(QueueClosedError("the executor was shut down before this call completed"))
-        self._finalizer()
-        self.shared_worker_lock = None
+        try:
+            for future in list(self.futures_queue):
+                future.fail(QueueClosedError(
+                    "the executor was shut down before this call completed"))
+            self._finalizer()
+            self.shared_worker_lock = None
+        finally:
+            self._shutdown_done.set()
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=self.config.check_health_timeout_s)
