@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 _FIRST_ENQUEUE_WAIT_S = 0.0001
 _MAX_ENQUEUE_WAIT_S = 0.005
 _EXITCODE_WAIT_S = 1.0
+_CALLBACK_JOIN_S = 2.0
 
 
 class MultiprocExecutor(Executor):
@@ -431,6 +432,11 @@ class MultiprocExecutor(Executor):
             # this call - unless this *is* that thread (a failure callback).
             if threading.current_thread() is not self._shutdown_thread:
                 self._shutdown_done.wait(self._teardown_bound_s)
+                monitor = self._resources.monitor
+                if monitor is not None and monitor is not threading.current_thread():
+                    # It may still be running the failure callback; a thread
+                    # left behind would make the next executor spawn, not fork.
+                    monitor.join(_CALLBACK_JOIN_S)
             return
         logger.debug("Triggering shutdown of workers")
         try:
