@@ -58,8 +58,9 @@ BULK_FD = 2
 BULK_INODE = 3
 BULK_SLOT = 4
 BULK_GENERATION = 5
-KIND_INLINE = 1
-KIND_BULK = 2
+KIND_INLINE = 1      # a frame (see serialization) in the chunk
+KIND_BULK = 2        # a frame in a bulk segment; the chunk holds its descriptor
+KIND_PICKLE = 3      # a bare pickle in the chunk: no frame header, no buffers
 NO_SLOT = (1 << 64) - 1
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ from mpexec.ipc.bulk import BulkRelease, BulkWriter, map_bulk
 from mpexec.ipc.endpoint import QueueEnd
 from mpexec.ipc.layout import RingLayout
 from mpexec.ipc.peers import PeerWatch
-from mpexec.ipc.serialization import decode, write_into
+from mpexec.ipc.serialization import Frame, decode, frame_of, write_into
 from mpexec.ipc.shm import Segment, SegmentRef, segment_name
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_SPIN_S = 0.001
 DEFAULT_TICK_S = 0.05
 DEFAULT_LOG_INTERVAL_S = 60.0
+_FAST_POLLS = 32
 _CLOSE_GRACE_S = 2.0
 
 
@@ -242,9 +244,10 @@ class MessageQueue(QueueEnd):
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast ``obj`` to every reader; blocks while the ring is full."""
-        self._require_writer("enqueue")
-        self._check_open()
-        frame = self._encoder.encode(obj)
+        if self._closed or not self._is_writer:
+            self._require_writer("enqueue")
+            self._check_open()
+        data = self._encoder.dump(obj)
         self._busy = True
         try:
             seq = self._seq
@@ -258,20 +261,22 @@ class MessageQueue(QueueEnd):
             sync.acquire_fence()
             base = self._chunk_offsets[seq % self._max_chunks]
             head = base // 8
-            if frame.nbytes <= self._chunk_bytes:
+            if data.__class__ is bytes and len(data) <= self._chunk_bytes:
+                size = len(data)
                 start = base + layout.CHUNK_HEADER
-                write_into(frame, self._bytes[start:start + frame.nbytes])
-                cells[head + layout.KIND] = layout.KIND_INLINE
+                self._bytes[start:start + size] = data
+                cells[head + layout.KIND] = layout.KIND_PICKLE
             else:
-                assert self._bulk is not None
-                fd, inode, slot, generation = self._bulk.put(
-                    frame, seq, f"a {frame.nbytes / 2**20:.1f} MiB message on queue {self.name!r}")
-                cells[head + layout.BULK_FD] = fd
-                cells[head + layout.BULK_INODE] = inode
-                cells[head + layout.BULK_SLOT] = slot
-                cells[head + layout.BULK_GENERATION] = generation
-                cells[head + layout.KIND] = layout.KIND_BULK
-            cells[head + layout.FRAME_LEN] = frame.nbytes
+                frame = frame_of(data) if data.__class__ is bytes else data
+                assert isinstance(frame, Frame)
+                size = frame.nbytes
+                if size <= self._chunk_bytes:
+                    start = base + layout.CHUNK_HEADER
+                    write_into(frame, self._bytes[start:start + size])
+                    cells[head + layout.KIND] = layout.KIND_INLINE
+                else:
+                    self._put_bulk(frame, seq, head)
+            cells[head + layout.FRAME_LEN] = size
             sync.release_fence()
             cells[layout.WRITE_SEQ_CELL] = seq + 1
             self._seq = seq + 1
@@ -280,10 +285,20 @@ class MessageQueue(QueueEnd):
                 if cells[cell]:
                     sync.futex_wake(self._write_seq_addr)
                     break
-            if self._bulk is not None and frame.nbytes > self._chunk_bytes:
-                self._bulk.reclaim(self._min_read_seq())
         finally:
             self._busy = False
+
+    def _put_bulk(self, frame: Frame, seq: int, head: int) -> None:
+        assert self._bulk is not None
+        self._bulk.reclaim(self._min_read_seq())
+        fd, inode, slot, generation = self._bulk.put(
+            frame, seq, f"a {frame.nbytes / 2**20:.1f} MiB message on queue {self.name!r}")
+        cells = self._cells
+        cells[head + layout.BULK_FD] = fd
+        cells[head + layout.BULK_INODE] = inode
+        cells[head + layout.BULK_SLOT] = slot
+        cells[head + layout.BULK_GENERATION] = generation
+        cells[head + layout.KIND] = layout.KIND_BULK
 
     def _min_read_seq(self) -> int:
         cells = self._cells
@@ -325,35 +340,51 @@ class MessageQueue(QueueEnd):
         periodic progress line is then logged at DEBUG instead of WARNING.
         """
         reader = self._reader
-        if reader is None:
-            raise RuntimeError(f"dequeue() called on the writer end of queue {self.name!r}")
-        self._check_open()
+        if reader is None or self._closed:
+            if reader is None:
+                raise RuntimeError(f"dequeue() called on the writer end of queue {self.name!r}")
+            self._check_open()
         self._busy = True
         try:
             seq = self._seq
             cells = self._cells
             if cells[layout.WRITE_SEQ_CELL] <= seq:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                self._wait_for_message(seq, deadline, indefinite)
+                # Poll briefly here, cheaply, before the general wait.
+                for _ in range(_FAST_POLLS):
+                    sync.cpu_relax()
+                    if cells[layout.WRITE_SEQ_CELL] > seq:
+                        break
+                else:
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                    self._wait_for_message(seq, deadline, indefinite)
             sync.acquire_fence()
             base = self._chunk_offsets[seq % self._max_chunks]
             head = base // 8
             size = int(cells[head + layout.FRAME_LEN])
-            if cells[head + layout.KIND] == layout.KIND_INLINE:
-                start = base + layout.CHUNK_HEADER
-                view = memoryview(bytearray(self._bytes[start:start + size]))
-            else:
-                view = self._map_bulk(head, size, reader)
-            sync.release_fence()
-            read_cell = self._read_seq_cells[reader]
-            cells[read_cell] = seq + 1
-            self._seq = seq + 1
-            sync.full_fence()
-            if cells[layout.WRITER_WAITING_CELL]:
-                sync.futex_wake(self._segment.address + sync.low_word_offset(read_cell * 8))
+            kind = cells[head + layout.KIND]
+            obj: Any = None
+            view: memoryview | None = None
+            start = base + layout.CHUNK_HEADER
+            try:
+                if kind == layout.KIND_PICKLE:
+                    # Unpickled straight from the chunk, which stays ours until
+                    # read_seq moves: the objects made are copies.
+                    obj = pickle.loads(self._bytes[start:start + size])
+                elif kind == layout.KIND_INLINE:
+                    view = memoryview(bytearray(self._bytes[start:start + size]))
+                else:
+                    view = self._map_bulk(head, size, reader)
+            finally:
+                sync.release_fence()
+                read_cell = self._read_seq_cells[reader]
+                cells[read_cell] = seq + 1
+                self._seq = seq + 1
+                sync.full_fence()
+                if cells[layout.WRITER_WAITING_CELL]:
+                    sync.futex_wake(self._segment.address + sync.low_word_offset(read_cell * 8))
         finally:
             self._busy = False
-        return decode(view)
+        return obj if view is None else decode(view)
 
     def _map_bulk(self, head: int, size: int, reader: int) -> memoryview:
         cells = self._cells

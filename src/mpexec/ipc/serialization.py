@@ -136,37 +136,55 @@ class Encoder:
         return pickler
 
     def encode(self, obj: Any) -> Frame:
-        """Pickle ``obj``; the pickling error propagates as is."""
-        if self._torch_loaded != ("torch" in sys.modules):
+        """Pickle ``obj`` into a :class:`Frame`; the pickling error propagates."""
+        data = self.dump(obj)
+        return frame_of(data) if data.__class__ is bytes else data  # type: ignore[return-value]
+
+    def dump(self, obj: Any) -> bytes | Frame:
+        """Pickle ``obj``: the pickle itself when it is one piece with no
+        out-of-band buffer (the common, small case), else a :class:`Frame`."""
+        if self._torch_loaded is not ("torch" in sys.modules):
             self._torch_loaded = not self._torch_loaded
             self._pickler = self._new_pickler()
-        pieces, pickle_buffers = self._pieces, self._buffers
-        pieces.clear()
-        pickle_buffers.clear()
-        self._pickler.clear_memo()
+        pieces = self._pieces
+        pickler = self._pickler
+        pickler.clear_memo()
         try:
-            self._pickler.dump(obj)
-            # Producers of PickleBuffer (numpy, our reducers) only make them for
-            # contiguous memory, so raw() cannot fail here.
-            buffers = [buf.raw() for buf in pickle_buffers]
-        finally:
-            out_pieces = pieces[:]
+            pickler.dump(obj)
+        except BaseException:
             pieces.clear()
-            pickle_buffers.clear()
-        pickle_len = (len(out_pieces[0]) if len(out_pieces) == 1
-                      else sum(_nbytes(piece) for piece in out_pieces))
-        if not buffers:
-            header = _HEAD.pack(pickle_len, 0)
-            return Frame(header, out_pieces, pickle_len, buffers, [], _HEAD.size + pickle_len)
-        header = _HEAD.pack(pickle_len, len(buffers)) + b"".join(
-            _U64.pack(buf.nbytes) for buf in buffers)
-        offsets = []
-        end = len(header) + pickle_len
-        for buf in buffers:
-            start = _align(end)
-            offsets.append(start)
-            end = start + buf.nbytes
-        return Frame(header, out_pieces, pickle_len, buffers, offsets, end)
+            self._buffers.clear()
+            raise
+        if len(pieces) == 1 and not self._buffers:
+            data = pieces.pop()
+            if data.__class__ is bytes:
+                return data
+            pieces.append(data)
+        # Producers of PickleBuffer (numpy, our reducers) only make them for
+        # contiguous memory, so raw() cannot fail here.
+        buffers = [buf.raw() for buf in self._buffers]
+        self._buffers.clear()
+        out_pieces = pieces[:]
+        pieces.clear()
+        return _frame(out_pieces, buffers)
+
+
+def _frame(pieces: list[Any], buffers: list[memoryview]) -> Frame:
+    pickle_len = sum(_nbytes(piece) for piece in pieces)
+    header = _HEAD.pack(pickle_len, len(buffers)) + b"".join(
+        _U64.pack(buf.nbytes) for buf in buffers)
+    offsets = []
+    end = len(header) + pickle_len
+    for buf in buffers:
+        start = _align(end)
+        offsets.append(start)
+        end = start + buf.nbytes
+    return Frame(header, pieces, pickle_len, buffers, offsets, end)
+
+
+def frame_of(data: bytes) -> Frame:
+    """The frame of a plain pickle (no out-of-band buffers)."""
+    return _frame([data], [])
 
 
 def encode(obj: Any) -> Frame:

@@ -4,18 +4,18 @@
 waiting for a message, by the writer waiting for a free chunk and by both
 sides of the start-up handshake.  It runs in three phases:
 
-1. *spin*: re-check the condition a few dozen times (a partner running on
-   another core answers within microseconds);
-2. *yield*: re-check between ``sched_yield`` calls for ``spin_s`` seconds, so a
-   partner that shares our core gets it at once;
-3. *sleep*: raise our "sleeping" flag, read the futex word, re-check, then
+1. *spin*: re-check between ``sched_yield`` calls for ``spin_s`` seconds: a
+   partner on another core answers within microseconds, and one that shares
+   our core gets it at once (pure spinning collapses once spinners outnumber
+   cores);
+2. *sleep*: raise our "sleeping" flag, read the futex word, re-check, then
    sleep on the word for at most ``tick_s``; the other side wakes us after it
    changes the word (see ``sync`` for why no wake-up is lost).  Every tick runs
    ``on_tick`` (deadline-free checks: shutdown, peer death), and every
    ``log_interval_s`` logs ``describe()`` — who is behind.
 
-The caller checks its condition once before calling, so the hot path never
-enters this module.
+The caller checks (and may briefly poll) its condition before calling, so
+the hot path never enters this module.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from mpexec.ipc import sync
 
 logger = logging.getLogger("mpexec.ipc.message_queue")
 
-PURE_SPINS = 64
 YIELD_BATCH = 8
 
 
@@ -52,9 +51,6 @@ def wait_until(
     on; ``None`` means plain sleeps.  ``set_sleeping(1/0)`` raises and lowers
     the flag the waker checks.  ``on_tick`` raises to abort the wait.
     """
-    for _ in range(PURE_SPINS):
-        if ready():
-            return
     spin_end = time.monotonic() + spin_s
     while True:
         for _ in range(YIELD_BATCH):
