@@ -52,7 +52,6 @@ from mpexec.errors import (
     PeerDiedError,
     QueueClosedError,
     WorkerDiedError,
-    WorkerError,
     WorkerStartupError,
     describe_exitcode,
 )
@@ -67,8 +66,9 @@ from mpexec.executor.launch import (
     set_multiprocessing_worker_envs,
     wait_for_ready,
 )
-from mpexec.executor.protocol import RemoteFailure
+from mpexec.executor.protocol import decode_replies
 from mpexec.executor.ranks import global_start_rank, is_driver_worker
+from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc import Handle, MessageQueue
 from mpexec.outputs import KVOutputAggregator
@@ -110,8 +110,7 @@ class MultiprocExecutor(Executor):
         policy = self.termination
         self._teardown_bound_s = policy.grace_s + policy.term_s + policy.kill_s + 10.0
         self._broadcast_lock = threading.Lock()
-        self._reply_lock = threading.Lock()
-        self._stash: list[deque[Reply]] = []
+        self.replies = ReplyRouter(self._closed_error)
         self._next_call_id = 0
         self._all_ranks = tuple(range(self.world_size))
         self._death: tuple[int, int | None, int | None] | None = None
@@ -180,7 +179,7 @@ class MultiprocExecutor(Executor):
             assert w.worker_response_mq is not None
             self.response_mqs.append(w.worker_response_mq)
             self._resources.queues.append(w.worker_response_mq)
-        self._stash = [deque() for _ in self.response_mqs]
+        self.replies.attach(self.response_mqs)
         # Ensure message queues are ready.  Will deadlock if re-ordered: each
         # worker waits on the broadcast queue before its reply queue, so we
         # must finish the broadcast handshake before waiting on any reply queue.
@@ -293,49 +292,28 @@ class MultiprocExecutor(Executor):
             # before the next call can be broadcast, so replies are still
             # read in call order.
             direct = (not non_block and not self.futures_queue
-                      and self._reply_lock.acquire(blocking=False))
+                      and self.replies.lock.acquire(blocking=False))
             if not direct:
                 future = FutureWrapper(
-                    self.futures_queue, self._reply_lock, self, call_id=call_id, ranks=ranks,
+                    self.futures_queue, self.replies.lock, self.replies, call_id=call_id,
+                    ranks=ranks,
                     deadline=deadline, method=name, timeout=timeout,
                     finish=partial(self._complete, name, unique_reply_rank,
                                    kv_output_aggregator))
         if direct:
             ok = False
             try:
-                replies = self._read_replies(call_id, ranks, deadline, name, timeout)
+                replies = self.replies.read_call(call_id, ranks, deadline, name, timeout)
                 value = self._complete(name, unique_reply_rank, kv_output_aggregator, replies)
                 ok = True
                 return value
             finally:
-                self._reply_lock.release()
+                self.replies.lock.release()
                 self.call_stats.record(name, time.monotonic() - started, ok)
         stats = self.call_stats
         future.add_done_callback(
             lambda f: stats.record(name, time.monotonic() - started, f.exception() is None))
         return future if non_block else future.result()
-
-    def _read_replies(self, call_id: int, ranks: tuple[int, ...], deadline: float | None,
-                      name: str, timeout: float | None) -> dict[int, Reply]:
-        """The replies of ``call_id`` (fast path; the caller holds the reply lock)."""
-        replies: dict[int, Reply] = {}
-        for rank in ranks:
-            while True:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    reply = self.read_reply(rank, remaining)
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"RPC call to {name} timed out after {timeout:g}s") from None
-                if reply[0] == call_id:
-                    replies[rank] = reply
-                    break
-                if reply[0] > call_id:
-                    self.unread_reply(rank, reply)
-                    raise RuntimeError(f"rank {rank} answered call {reply[0]} before call "
-                                       f"{call_id} ({name})")
-                # else: the late reply of a call that timed out; drop it
-        return replies
 
     def _complete(self, name: str, unique_reply_rank: int | None,
                   aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:
@@ -360,63 +338,16 @@ class MultiprocExecutor(Executor):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"RPC call to {name} timed out: the workers did not "
                                    "take it from the broadcast queue in time")
-            self._drain_replies()
+            self.replies.drain()
             wait_s = min(max(2 * wait_s, _FIRST_ENQUEUE_WAIT_S), _MAX_ENQUEUE_WAIT_S)
 
-    def _drain_replies(self) -> None:
-        """Move every waiting reply into the stash, unless a reader is busy."""
-        if not self._reply_lock.acquire(blocking=False):
-            return  # whoever holds it is draining already
-        try:
-            for rank, mq in enumerate(self.response_mqs):
-                stash = self._stash[rank]
-                while True:
-                    try:
-                        stash.append(mq.dequeue(timeout=0))
-                    except TimeoutError:
-                        break
-                    except QueueClosedError as exc:
-                        raise self._closed_error(rank, exc) from exc
-        finally:
-            self._reply_lock.release()
-
-    # ReplyReader, used by the futures under _reply_lock
-    def read_reply(self, rank: int, timeout: float | None) -> Reply:
-        stash = self._stash[rank]
-        if stash:
-            return stash.popleft()
-        try:
-            reply: Reply = self.response_mqs[rank].dequeue(timeout=timeout)
-        except QueueClosedError as exc:
-            raise self._closed_error(rank, exc) from exc
-        return reply
-
-    def unread_reply(self, rank: int, reply: Reply) -> None:
-        self._stash[rank].appendleft(reply)
-
-    def _worker_error(self, rank: int, method: str, failure: RemoteFailure) -> WorkerError:
-        local = rank - global_start_rank(self.parallel_config)
-        pid = self.workers[local].proc.pid if 0 <= local < len(self.workers) else -1
-        error = WorkerError(
-            f"worker rank {rank} raised {failure.exc_type} in {method}: {failure.message}",
-            rank=rank, pid=pid or -1, method=method, exc_type=failure.exc_type,
-            remote_traceback=failure.traceback)
-        error.__cause__ = failure.exception()
-        return error
-
     def _finish(self, method: str, single: bool, replies: dict[int, Reply]) -> Any:
-        if single:
-            ((rank, (_, ok, payload)),) = replies.items()
-            if not ok:
-                raise self._worker_error(rank, method, payload)
-            return payload
-        results = []
-        for rank in sorted(replies):
-            _, ok, payload = replies[rank]
-            if not ok:
-                raise self._worker_error(rank, method, payload)
-            results.append(payload)
-        return results
+        return decode_replies(method, single, replies, self._pid_of)
+
+    def _pid_of(self, rank: int) -> int:
+        local = rank - global_start_rank(self.parallel_config)
+        pid = self.workers[local].proc.pid if 0 <= local < len(self.workers) else None
+        return pid or -1
 
     # -- end --------------------------------------------------------------------------
 

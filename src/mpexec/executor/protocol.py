@@ -24,9 +24,13 @@ worker shuts its queues down, which wakes its blocked dequeue, and exits.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cloudpickle
+
+from mpexec.errors import WorkerError
 
 READY_STR = "READY"
 FAILED_STR = "FAILED"
@@ -72,3 +76,31 @@ def capture_failure(exc: BaseException) -> RemoteFailure:
         traceback="".join(traceback.format_exception(exc)),
         pickled=pickled,
     )
+
+
+def worker_error(rank: int, pid: int, method: str, failure: RemoteFailure) -> WorkerError:
+    """The caller's view of a failure: typed, with the remote traceback and cause."""
+    error = WorkerError(
+        f"worker rank {rank} raised {failure.exc_type} in {method}: {failure.message}",
+        rank=rank, pid=pid, method=method, exc_type=failure.exc_type,
+        remote_traceback=failure.traceback)
+    error.__cause__ = failure.exception()
+    return error
+
+
+def decode_replies(method: str, single: bool, replies: dict[int, tuple[int, bool, Any]],
+                   pid_of: Callable[[int], int]) -> Any:
+    """One call's replies as the caller gets them: one result (``single``) or a
+    list in rank order; the first failure, in rank order, is raised instead."""
+    if single:
+        ((rank, (_, ok, payload)),) = replies.items()
+        if not ok:
+            raise worker_error(rank, pid_of(rank), method, payload)
+        return payload
+    results = []
+    for rank in sorted(replies):
+        _, ok, payload = replies[rank]
+        if not ok:
+            raise worker_error(rank, pid_of(rank), method, payload)
+        results.append(payload)
+    return results

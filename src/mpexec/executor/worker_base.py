@@ -111,6 +111,16 @@ class WorkerWrapperBase:
         if self.worker is not None:
             self.worker.shutdown()
 
+    def resolve(self, name: str) -> Any:
+        """``getattr(self, name)``, minus the ``__getattr__`` detour (a caught
+        AttributeError, a microsecond per call) for the worker's own methods."""
+        own = self.__dict__.get("_own_names")
+        if own is None:
+            own = self.__dict__["_own_names"] = frozenset(dir(type(self)))
+        if name in own or name in self.__dict__ or self.worker is None:
+            return getattr(self, name)
+        return getattr(self.worker, name)
+
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes the wrapper lacks.  Going through
         # __dict__ keeps this safe while the object is half-built (unpickling).

@@ -194,7 +194,7 @@ class WorkerProc:
             replies = output_rank is None or output_rank == rank
             try:
                 if isinstance(method, str):
-                    func = getattr(worker, method)
+                    func = worker.resolve(method)
                 else:
                     func = partial(cloudpickle.loads(method), worker)
                 output = func(*args, **kwargs)
@@ -347,6 +347,10 @@ def worker_main(**kwargs: Any) -> None:
             failed = True
         elif shutdown_requested.is_set() or watcher.stopping.is_set():
             logger.info("WorkerProc shutting down.")
+        elif isinstance(exc, QueueClosedError):
+            # The driver shut the broadcast queue or died (the queue noticed
+            # before the death pipe did): the same end as an EOF there.
+            logger.info("WorkerProc shutting down: %s", exc)
         else:
             logger.exception("WorkerProc failed.")
             failed = True
