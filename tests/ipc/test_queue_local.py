@@ -215,3 +215,18 @@ def test_no_room_for_the_segment_names_mib_needed_and_available(
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(OSError, match=r"cannot reserve 4\.\d MiB .* memory available: [\d.]+ MiB"):
         MessageQueue(1, 1, max_chunk_bytes=512 * 1024, max_chunks=8)
+
+
+def test_segments_are_private_to_the_user() -> None:
+    import stat
+
+    writer = MessageQueue(1, 1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        mode = os.fstat(writer._segment.fd).st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        target = os.readlink(f"/proc/self/fd/{writer._segment.fd}")
+        assert target.startswith("/memfd:mpexec-") and target.endswith("(deleted)")
+    finally:
+        reader.shutdown()
+        writer.shutdown()

@@ -266,7 +266,8 @@ class MultiprocExecutor(Executor):
     ) -> Any:
         if self.is_failed:
             raise self._died_error()
-        if self.rpc_broadcast_mq is None or self.shutting_down:
+        mq = self.rpc_broadcast_mq
+        if mq is None or self.shutting_down:
             raise QueueClosedError("collective_rpc on an executor that is shut down "
                                    "(or on a follower node, which has no broadcast queue)")
         started = time.monotonic()
@@ -284,8 +285,13 @@ class MultiprocExecutor(Executor):
             send_method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
         with self._broadcast_lock:
             call_id = self._next_call_id + 1
-            self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
-                            deadline, name)
+            message = (call_id, send_method, args, kwargs or {}, output_rank)
+            try:
+                mq.enqueue(message, timeout=0.0)  # the ring has room: the usual case
+            except TimeoutError:
+                self._broadcast(message, deadline, name)
+            except QueueClosedError as exc:
+                raise self._closed_error(None, exc) from exc
             self._next_call_id = call_id
             # Fast path: a blocking call with no call pending before it reads
             # its replies itself, without a Future.  It takes the reply lock
@@ -304,7 +310,11 @@ class MultiprocExecutor(Executor):
             ok = False
             try:
                 replies = self.replies.read_call(call_id, ranks, deadline, name, timeout)
-                value = self._complete(name, unique_reply_rank, kv_output_aggregator, replies)
+                if output_rank is not None and replies[output_rank][1]:
+                    value = replies[output_rank][2]  # one successful reply: nothing to decode
+                else:
+                    value = self._complete(name, unique_reply_rank, kv_output_aggregator,
+                                           replies)
                 ok = True
                 return value
             finally:
@@ -378,9 +388,6 @@ class MultiprocExecutor(Executor):
             self.shared_worker_lock = None
         finally:
             self._shutdown_done.set()
-
-    def check_health(self) -> None:
-        self.collective_rpc("check_health", timeout=self.config.check_health_timeout_s)
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
