@@ -124,6 +124,7 @@ class MultiprocExecutor(Executor):
             raise NotImplementedError(
                 f"nnodes_within_dp = {parallel.nnodes_within_dp}: executors spanning several "
                 "nodes are not supported yet")
+        traced = self.config.trace and tracing.enable("Executor")
         method = set_multiprocessing_worker_envs(self.config)
         distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -154,6 +155,9 @@ class MultiprocExecutor(Executor):
                 # init_device joins a collective with all of its peers.
                 self.workers[:] = wait_for_ready(unready, deadline - time.monotonic())
                 self._handshake(deadline)
+            if traced:
+                # Only a traced executor pays for the span around each call.
+                self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
             if self.monitor_workers:
                 self.start_worker_monitor()
             self._post_init_executor()
@@ -324,6 +328,12 @@ class MultiprocExecutor(Executor):
         future.add_done_callback(
             lambda f: stats.record(name, time.monotonic() - started, f.exception() is None))
         return future if non_block else future.result()
+
+    def _traced_collective_rpc(self, method: str | Callable[..., Any], *args: Any,
+                               **kwargs: Any) -> Any:
+        name = method if isinstance(method, str) else getattr(method, "__qualname__", "callable")
+        with tracing.span("executor.collective_rpc", method=name):
+            return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
 
     def _complete(self, name: str, unique_reply_rank: int | None,
                   aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:

@@ -197,7 +197,12 @@ class WorkerProc:
                     func = worker.resolve(method)
                 else:
                     func = partial(cloudpickle.loads(method), worker)
-                output = func(*args, **kwargs)
+                if tracing.is_enabled():
+                    with tracing.span("worker.call", rank=rank, call_id=call_id,
+                                      method=method if isinstance(method, str) else "callable"):
+                        output = func(*args, **kwargs)
+                else:
+                    output = func(*args, **kwargs)
             except Exception as exc:
                 logger.warning("rank %d: call %d raised %s: %s", rank, call_id,
                                qualified_type_name(exc), exc)
