@@ -58,7 +58,6 @@ class QueueEnd:
         self._encoder = Encoder()
         self._bulk = None
         self._peers = {}
-        self._ready = False
         self._write_seq_addr = segment.address + sync.low_word_offset(
             layout.WRITE_SEQ_CELL * 8)
         self._ready_addr = segment.address + sync.low_word_offset(layout.READY_CELL * 8)

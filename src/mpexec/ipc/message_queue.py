@@ -61,7 +61,7 @@ import os
 import pickle
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mpexec.errors import QueueClosedError
@@ -96,7 +96,6 @@ class Handle:
     token: int
     name: str = "mq"
     remote_subscribe_addr: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class MessageQueue(QueueEnd):
@@ -238,7 +237,6 @@ class MessageQueue(QueueEnd):
             self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
                        deadline, self._check_writer, "wait_until_ready (writer)")
             sync.acquire_fence()
-        self._ready = True
 
     # -- writer ---------------------------------------------------------------
 
