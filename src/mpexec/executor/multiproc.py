@@ -338,8 +338,9 @@ class MultiprocExecutor(Executor):
     def _complete(self, name: str, unique_reply_rank: int | None,
                   aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:
         if aggregator is not None:
-            return aggregator.aggregate(self._finish(name, False, replies), unique_reply_rank or 0)
-        return self._finish(name, unique_reply_rank is not None, replies)
+            outputs = decode_replies(name, False, replies, self._pid_of)
+            return aggregator.aggregate(outputs, unique_reply_rank or 0)
+        return decode_replies(name, unique_reply_rank is not None, replies, self._pid_of)
 
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         mq = self.rpc_broadcast_mq
@@ -360,9 +361,6 @@ class MultiprocExecutor(Executor):
                                    "take it from the broadcast queue in time")
             self.replies.drain()
             wait_s = min(max(2 * wait_s, _FIRST_ENQUEUE_WAIT_S), _MAX_ENQUEUE_WAIT_S)
-
-    def _finish(self, method: str, single: bool, replies: dict[int, Reply]) -> Any:
-        return decode_replies(method, single, replies, self._pid_of)
 
     def _pid_of(self, rank: int) -> int:
         local = rank - global_start_rank(self.parallel_config)

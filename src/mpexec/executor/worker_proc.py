@@ -188,7 +188,8 @@ class WorkerProc:
         assert mq is not None
         rank = self.rank
         worker = self.worker
-        handle_output = self.handle_output
+        # Synchronous replies skip the handle_output() indirection.
+        handle_output = self.handle_output if self.use_async_scheduling else self.enqueue_output
         while True:
             call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
             replies = output_rank is None or output_rank == rank
