@@ -230,3 +230,22 @@ def test_segments_are_private_to_the_user() -> None:
     finally:
         reader.shutdown()
         writer.shutdown()
+
+
+@pytest.mark.torch
+def test_torch_tensors_through_the_bulk_path() -> None:
+    torch = pytest.importorskip("torch")
+    writer = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)
+    readers = [MessageQueue.create_from_handle(writer.export_handle(), r) for r in (0, 1)]
+    try:
+        sent = {"w": torch.arange(1 << 18, dtype=torch.float32).reshape(512, 512),
+                "b": torch.ones(3, dtype=torch.bfloat16)}
+        writer.enqueue(sent)
+        a, b = (r.dequeue(timeout=5) for r in readers)
+        assert torch.equal(a["w"], sent["w"]) and torch.equal(b["b"], sent["b"])
+        a["w"][0, 0] = -1.0  # private to reader 0
+        assert b["w"][0, 0] == 0.0 and sent["w"][0, 0] == 0.0
+    finally:
+        for r in readers:
+            r.shutdown()
+        writer.shutdown()
