@@ -249,3 +249,25 @@ def test_torch_tensors_through_the_bulk_path() -> None:
         for r in readers:
             r.shutdown()
         writer.shutdown()
+
+
+def test_idle_reader_logs_at_info_only_when_a_peer_lags(caplog: pytest.LogCaptureFixture) -> None:
+    writer = MessageQueue(2, 2, name="idle")
+    handle = writer.export_handle()
+    reader = MessageQueue.create_from_handle(handle, 0, log_interval_s=0.1)
+    other = MessageQueue.create_from_handle(handle, 1)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="mpexec.ipc.message_queue"):
+            with pytest.raises(TimeoutError):
+                reader.dequeue(timeout=0.35, indefinite=True)
+            assert {r.levelno for r in caplog.records} == {logging.DEBUG}
+            caplog.clear()
+            writer.enqueue(1)
+            assert reader.dequeue(timeout=1, indefinite=True) == 1
+            with pytest.raises(TimeoutError):
+                reader.dequeue(timeout=0.35, indefinite=True)
+        assert {r.levelno for r in caplog.records} == {logging.INFO}
+        assert "rank 1 read 0 (behind by 1)" in caplog.text
+    finally:
+        for q in (reader, other, writer):
+            q.shutdown()

@@ -74,7 +74,7 @@ class QueueEnd:
 
     def _wait(self, ready: Callable[[], bool], futex_word: Callable[[], tuple[int, int]] | None,
               sleeping_cell: int | None, deadline: float | None, check: Callable[[], None],
-              what: str, log_level: int = logging.WARNING) -> None:
+              what: str, log_level: int | Callable[[], int] = logging.WARNING) -> None:
         cells = self._cells
 
         def set_sleeping(value: int) -> None:

@@ -334,8 +334,10 @@ class MessageQueue(QueueEnd):
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; waits up to ``timeout`` (None: no limit).
 
-        ``indefinite`` marks a wait expected to be long (an idle worker): the
-        periodic progress line is then logged at DEBUG instead of WARNING.
+        Every ``log_interval_s`` of waiting a line says who is behind: at
+        WARNING, or for an ``indefinite`` wait (an idle worker waiting for its
+        next call) at INFO when some reader lags behind the writer - a stuck
+        peer - and at DEBUG when everyone is merely idle.
         """
         reader = self._reader
         if reader is None or self._closed:
@@ -402,7 +404,15 @@ class MessageQueue(QueueEnd):
         ws_addr = self._write_seq_addr
         self._wait(lambda: cells[ws] > seq, lambda: (ws_addr, cells[ws]),
                    self._sleeping_cells[self._reader], deadline, self._check_writer, "dequeue",
-                   logging.DEBUG if indefinite else logging.WARNING)
+                   self._idle_log_level if indefinite else logging.WARNING)
+
+    def _idle_log_level(self) -> int:
+        """An idle reader's progress line matters only when a peer lags behind
+        the writer: in lockstep that peer is stuck, so say it at INFO."""
+        cells = self._cells
+        written = cells[layout.WRITE_SEQ_CELL]
+        behind = any(cells[c] < written for c in self._read_seq_cells)
+        return logging.INFO if behind else logging.DEBUG
 
     # -- closing --------------------------------------------------------------
 

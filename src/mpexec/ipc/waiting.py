@@ -43,10 +43,11 @@ def wait_until(
     on_tick: Callable[[], None],
     describe: Callable[[], str],
     what: str,
-    log_level: int = logging.WARNING,
+    log_level: int | Callable[[], int] = logging.WARNING,
 ) -> None:
     """Return once ``ready()``; raise ``TimeoutError`` at ``deadline``.
 
+    ``log_level`` may be a callable, asked at each progress line.
     ``futex_word()`` gives the (address, current value) of the word to sleep
     on; ``None`` means plain sleeps.  ``set_sleeping(1/0)`` raises and lowers
     the flag the waker checks.  ``on_tick`` raises to abort the wait.
@@ -89,6 +90,7 @@ def wait_until(
             return
         now = time.monotonic()
         if now >= next_log:
-            logger.log(log_level, "%s: still waiting after %.0f s; %s", what, now - started,
+            level = log_level() if callable(log_level) else log_level
+            logger.log(level, "%s: still waiting after %.0f s; %s", what, now - started,
                        describe())
             next_log = now + log_interval_s
