@@ -58,20 +58,18 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc import layout, sync
-from mpexec.ipc.bulk import BulkRelease, BulkWriter, map_bulk
-from mpexec.ipc.endpoint import QueueEnd
+from mpexec.ipc.bulk import BulkWriter
 from mpexec.ipc.layout import RingLayout
 from mpexec.ipc.peers import PeerWatch
-from mpexec.ipc.serialization import Frame, decode, frame_of, write_into
+from mpexec.ipc.reader import ReaderEnd
 from mpexec.ipc.shm import Segment, SegmentRef, segment_name
+from mpexec.ipc.writer import WriterEnd
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ class Handle:
     remote_subscribe_addr: str | None = None
 
 
-class MessageQueue(QueueEnd):
+class MessageQueue(WriterEnd, ReaderEnd):
     """One writer, ``n_reader`` readers, messages delivered to all in order."""
 
     def __init__(
@@ -237,182 +235,6 @@ class MessageQueue(QueueEnd):
             self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
                        deadline, self._check_writer, "wait_until_ready (writer)")
             sync.acquire_fence()
-
-    # -- writer ---------------------------------------------------------------
-
-    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Broadcast ``obj`` to every reader; blocks while the ring is full."""
-        if self._closed or not self._is_writer:
-            self._require_writer("enqueue")
-            self._check_open()
-        data = self._encoder.dump(obj)
-        self._busy = True
-        try:
-            seq = self._seq
-            cells = self._cells
-            if seq >= self._free_until:
-                self._free_until = self._min_read_seq() + self._max_chunks
-                if seq >= self._free_until:
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                    self._wait_for_space(seq - self._max_chunks, deadline)
-                    self._free_until = self._min_read_seq() + self._max_chunks
-            sync.acquire_fence()
-            base = self._chunk_offsets[seq % self._max_chunks]
-            head = base // 8
-            if data.__class__ is bytes and len(data) <= self._chunk_bytes:
-                size = len(data)
-                start = base + layout.CHUNK_HEADER
-                self._bytes[start:start + size] = data
-                cells[head + layout.KIND] = layout.KIND_PICKLE
-            else:
-                frame = frame_of(data) if data.__class__ is bytes else data
-                assert isinstance(frame, Frame)
-                size = frame.nbytes
-                if size <= self._chunk_bytes:
-                    start = base + layout.CHUNK_HEADER
-                    write_into(frame, self._bytes[start:start + size])
-                    cells[head + layout.KIND] = layout.KIND_INLINE
-                else:
-                    self._put_bulk(frame, seq, head)
-            cells[head + layout.FRAME_LEN] = size
-            sync.release_fence()
-            cells[layout.WRITE_SEQ_CELL] = seq + 1
-            self._seq = seq + 1
-            sync.full_fence()
-            for cell in self._sleeping_cells:
-                if cells[cell]:
-                    sync.futex_wake(self._write_seq_addr)
-                    break
-        finally:
-            self._busy = False
-
-    def _put_bulk(self, frame: Frame, seq: int, head: int) -> None:
-        assert self._bulk is not None
-        self._bulk.reclaim(self._min_read_seq())
-        fd, inode, slot, generation = self._bulk.put(
-            frame, seq, f"a {frame.nbytes / 2**20:.1f} MiB message on queue {self.name!r}")
-        cells = self._cells
-        cells[head + layout.BULK_FD] = fd
-        cells[head + layout.BULK_INODE] = inode
-        cells[head + layout.BULK_SLOT] = slot
-        cells[head + layout.BULK_GENERATION] = generation
-        cells[head + layout.KIND] = layout.KIND_BULK
-
-    def _min_read_seq(self) -> int:
-        cells = self._cells
-        return min(cells[c] for c in self._read_seq_cells)
-
-    def _wait_for_space(self, must_exceed: int, deadline: float | None) -> None:
-        cells = self._cells
-        read_cells = self._read_seq_cells
-        base = self._segment.address
-
-        def futex_word() -> tuple[int, int]:
-            laggard = min(read_cells, key=cells.__getitem__)
-            return base + sync.low_word_offset(laggard * 8), cells[laggard]
-
-        def check_behind() -> None:
-            for reader, cell in enumerate(read_cells):
-                if cells[cell] <= must_exceed:
-                    self._check_reader(reader)
-
-        self._wait(lambda: min(cells[c] for c in read_cells) > must_exceed, futex_word,
-                   layout.WRITER_WAITING_CELL, deadline, check_behind, "enqueue (ring full)")
-
-    def _bulk_released(self, slot: int, generation: int) -> bool:
-        cells = self._cells
-        geometry = self._layout
-        for r in range(geometry.n_readers):
-            if cells[geometry.reader_cell(r, layout.STATE)] == layout.STATE_CLOSED:
-                continue
-            if cells[geometry.release_cell(r, slot)] < generation:
-                return False
-        return True
-
-    # -- reader ---------------------------------------------------------------
-
-    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """The next message, in order; waits up to ``timeout`` (None: no limit).
-
-        Every ``log_interval_s`` of waiting a line says who is behind: at
-        WARNING, or for an ``indefinite`` wait (an idle worker waiting for its
-        next call) at INFO when some reader lags behind the writer - a stuck
-        peer - and at DEBUG when everyone is merely idle.
-        """
-        reader = self._reader
-        if reader is None or self._closed:
-            if reader is None:
-                raise RuntimeError(f"dequeue() called on the writer end of queue {self.name!r}")
-            self._check_open()
-        self._busy = True
-        try:
-            seq = self._seq
-            cells = self._cells
-            if cells[layout.WRITE_SEQ_CELL] <= seq:
-                # Poll briefly here, cheaply, before the general wait.
-                for _ in range(_FAST_POLLS):
-                    sync.cpu_relax()
-                    if cells[layout.WRITE_SEQ_CELL] > seq:
-                        break
-                else:
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                    self._wait_for_message(seq, deadline, indefinite)
-            sync.acquire_fence()
-            base = self._chunk_offsets[seq % self._max_chunks]
-            head = base // 8
-            size = int(cells[head + layout.FRAME_LEN])
-            kind = cells[head + layout.KIND]
-            obj: Any = None
-            view: memoryview | None = None
-            start = base + layout.CHUNK_HEADER
-            try:
-                if kind == layout.KIND_PICKLE:
-                    # Unpickled straight from the chunk, which stays ours until
-                    # read_seq moves: the objects made are copies.
-                    obj = pickle.loads(self._bytes[start:start + size])
-                elif kind == layout.KIND_INLINE:
-                    view = memoryview(bytearray(self._bytes[start:start + size]))
-                else:
-                    view = self._map_bulk(head, size, reader)
-            finally:
-                sync.release_fence()
-                read_cell = self._read_seq_cells[reader]
-                cells[read_cell] = seq + 1
-                self._seq = seq + 1
-                sync.full_fence()
-                if cells[layout.WRITER_WAITING_CELL]:
-                    sync.futex_wake(self._segment.address + sync.low_word_offset(read_cell * 8))
-        finally:
-            self._busy = False
-        return obj if view is None else decode(view)
-
-    def _map_bulk(self, head: int, size: int, reader: int) -> memoryview:
-        cells = self._cells
-        slot = int(cells[head + layout.BULK_SLOT])
-        on_release = None
-        if slot != layout.NO_SLOT:
-            on_release = BulkRelease(self._segment, self._layout.release_cell(reader, slot),
-                                  int(cells[head + layout.BULK_GENERATION]))
-        return map_bulk(self._writer_pid, int(cells[head + layout.BULK_FD]),
-                        int(cells[head + layout.BULK_INODE]), size,
-                        f"queue {self.name!r}", on_release)
-
-    def _wait_for_message(self, seq: int, deadline: float | None, indefinite: bool) -> None:
-        assert self._reader is not None
-        cells = self._cells
-        ws = layout.WRITE_SEQ_CELL
-        ws_addr = self._write_seq_addr
-        self._wait(lambda: cells[ws] > seq, lambda: (ws_addr, cells[ws]),
-                   self._sleeping_cells[self._reader], deadline, self._check_writer, "dequeue",
-                   self._idle_log_level if indefinite else logging.WARNING)
-
-    def _idle_log_level(self) -> int:
-        """An idle reader's progress line matters only when a peer lags behind
-        the writer: in lockstep that peer is stuck, so say it at INFO."""
-        cells = self._cells
-        written = cells[layout.WRITE_SEQ_CELL]
-        behind = any(cells[c] < written for c in self._read_seq_cells)
-        return logging.INFO if behind else logging.DEBUG
 
     # -- closing --------------------------------------------------------------
 
