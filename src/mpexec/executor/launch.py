@@ -31,7 +31,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import WorkerStartupError, describe_exitcode
+from mpexec.errors import PeerDiedError, WorkerStartupError, describe_exitcode
 from mpexec.executor.handles import UnreadyWorkerProcHandle, WorkerProcHandle
 from mpexec.executor.protocol import READY_STR
 from mpexec.executor.termination import TerminationPolicy
@@ -189,6 +189,23 @@ def wait_for_ready(
                 h.worker_response_mq.shutdown()
         raise
     return [h for h in ready if h is not None]
+
+
+def handshake(broadcast: MessageQueue | None, replies: list[MessageQueue],
+              deadline: float) -> None:
+    """The driver's half of the queue handshake, bounded by ``deadline``."""
+    # Ensure message queues are ready.  Will deadlock if re-ordered: each
+    # worker waits on the broadcast queue before its reply queue, so we
+    # must finish the broadcast handshake before waiting on any reply queue.
+    try:
+        if broadcast is not None:
+            broadcast.wait_until_ready(max(0.0, deadline - time.monotonic()))
+        for mq in replies:
+            mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
+    except PeerDiedError as exc:
+        raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
+    except TimeoutError as exc:
+        raise WorkerStartupError(f"the queue handshake timed out: {exc}") from exc
 
 
 def set_multiprocessing_worker_envs(config: ExecutorConfig) -> str:

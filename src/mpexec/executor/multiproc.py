@@ -52,7 +52,6 @@ from mpexec.errors import (
     PeerDiedError,
     QueueClosedError,
     WorkerDiedError,
-    WorkerStartupError,
     describe_exitcode,
 )
 from mpexec.executor import tracing
@@ -62,6 +61,7 @@ from mpexec.executor.handles import UnreadyWorkerProcHandle, WorkerProcHandle
 from mpexec.executor.launch import (
     Resources,
     get_open_port,
+    handshake,
     make_worker_process,
     set_multiprocessing_worker_envs,
     wait_for_ready,
@@ -184,18 +184,7 @@ class MultiprocExecutor(Executor):
             self.response_mqs.append(w.worker_response_mq)
             self._resources.queues.append(w.worker_response_mq)
         self.replies.attach(self.response_mqs)
-        # Ensure message queues are ready.  Will deadlock if re-ordered: each
-        # worker waits on the broadcast queue before its reply queue, so we
-        # must finish the broadcast handshake before waiting on any reply queue.
-        try:
-            if self.rpc_broadcast_mq is not None:
-                self.rpc_broadcast_mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
-            for mq in self.response_mqs:
-                mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
-        except PeerDiedError as exc:
-            raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
-        except TimeoutError as exc:
-            raise WorkerStartupError(f"the queue handshake timed out: {exc}") from exc
+        handshake(self.rpc_broadcast_mq, self.response_mqs, deadline)
 
     # -- health ---------------------------------------------------------------------
 
