@@ -271,3 +271,23 @@ def test_idle_reader_logs_at_info_only_when_a_peer_lags(caplog: pytest.LogCaptur
     finally:
         for q in (reader, other, writer):
             q.shutdown()
+
+
+def test_held_bulk_views_cost_no_descriptor_each() -> None:
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        held = []
+        for i in range(3):  # warm the writer's cached bulk slots
+            writer.enqueue(np.full(2000, i))
+            held.append(reader.dequeue(timeout=5))
+        before = len(os.listdir("/proc/self/fd"))
+        for i in range(100):
+            writer.enqueue(np.full(2000, i))
+            held.append(reader.dequeue(timeout=5))
+        # The writer may cache up to BULK_SLOTS segments; the reader adds none.
+        assert len(os.listdir("/proc/self/fd")) - before <= layout.BULK_SLOTS
+        assert [int(h[0]) for h in held[3:]] == list(range(100))
+    finally:
+        reader.shutdown()
+        writer.shutdown()

@@ -25,9 +25,7 @@ an hour is never overwritten.
 
 from __future__ import annotations
 
-import mmap
 import os
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +35,7 @@ from mpexec.ipc.serialization import Frame, iter_pieces
 from mpexec.ipc.shm import (
     Segment,
     create_memfd,
+    map_private,
     open_peer_fd,
     reservation_error,
     segment_name,
@@ -174,13 +173,9 @@ def map_bulk(pid: int, fd: int, inode: int, size: int, what: str,
     """Map a writer's bulk segment copy-on-write; ``on_release`` runs when unused."""
     own = open_peer_fd(pid, fd, inode, os.O_RDONLY, what)
     try:
-        mapping = mmap.mmap(own, size, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return map_private(own, size, on_release)
     finally:
         os.close(own)
-    if on_release is not None:
-        weakref.finalize(mapping, on_release)
-    return memoryview(mapping)
 
 
 class BulkRelease:

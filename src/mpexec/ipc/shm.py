@@ -20,12 +20,15 @@ and available, never with a SIGBUS at first touch.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import itertools
 import mmap
 import os
 import stat
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpexec.errors import PeerDiedError, QueueClosedError
@@ -35,6 +38,16 @@ MiB = 1 << 20
 
 # Python >= 3.13 can map without keeping a duplicate descriptor per mapping.
 _MMAP_NO_TRACKFD: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def segment_name(kind: str) -> str:
@@ -174,3 +187,31 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
         self.fd = -1
+
+
+def map_private(fd: int, size: int, on_unmap: Callable[[], None] | None = None) -> memoryview:
+    """A copy-on-write mapping of ``fd`` as a writable byte view.
+
+    ``mmap.mmap`` (before Python 3.13) keeps a duplicate descriptor for every
+    mapping, so a reader holding many arrays from large messages would run
+    out of descriptors.  This maps with libc directly: the mapping lives as
+    long as some view of it does, holds no descriptor, and is unmapped (then
+    ``on_unmap`` runs) when the last view is gone.
+    """
+    # ctypes keeps every array type it ever made, so lengths come in powers
+    # of two: a few dozen types, however many sizes pass.  The pages past
+    # the end of the file are reserved, never touched (the view stops at size).
+    length = 1 << max(size - 1, 4095).bit_length()
+    address = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    memory = (ctypes.c_ubyte * length).from_address(address)
+    weakref.finalize(memory, _unmap, address, length, on_unmap)
+    return memoryview(memory).cast("B")[:size]
+
+
+def _unmap(address: int, size: int, on_unmap: Callable[[], None] | None) -> None:
+    _munmap(address, size)
+    if on_unmap is not None:
+        on_unmap()
