@@ -291,3 +291,28 @@ def test_held_bulk_views_cost_no_descriptor_each() -> None:
     finally:
         reader.shutdown()
         writer.shutdown()
+
+
+def test_bulk_cache_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.ipc import bulk
+
+    monkeypatch.setattr(bulk, "CACHE_CAP_BYTES", 4 << 20)
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        held = []
+        for i in range(6):  # six 2 MiB messages held at once: six slots
+            writer.enqueue(np.full(1 << 18, i))
+            held.append(reader.dequeue(timeout=5))
+        held.clear()
+        gc.collect()
+        writer.enqueue(np.zeros(10))
+        assert reader.dequeue(timeout=5).sum() == 0
+        writer.enqueue(np.full(1 << 18, 9))
+        assert int(reader.dequeue(timeout=5)[-1]) == 9
+        assert writer._bulk is not None
+        cached = sum(s.capacity for s in writer._bulk._slots if s is not None)
+        assert cached <= 4 << 20
+    finally:
+        reader.shutdown()
+        writer.shutdown()

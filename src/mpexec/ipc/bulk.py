@@ -11,7 +11,8 @@ grows on every use.  A slot may be reused once every reader has *released*
 the generation it last carried (see below).  When every slot is still held,
 the message goes to a one-off segment that the writer closes as soon as all
 readers have consumed the message; the kernel frees it once the readers let
-go too.
+go too.  Released slots beyond ``CACHE_CAP_BYTES`` in all are closed, so a
+burst of huge messages does not pin their memory for the queue's lifetime.
 
 Reader side (:func:`map_bulk`): the reader opens the writer's descriptor
 through ``/proc`` and maps it copy-on-write (``MAP_PRIVATE``).  The objects it
@@ -42,6 +43,8 @@ from mpexec.ipc.shm import (
 )
 
 MIN_SEGMENT = 1 << 20
+# Released bulk slots kept beyond this are closed (their memory freed).
+CACHE_CAP_BYTES = 256 << 20
 _IOV_MAX = 1024
 
 
@@ -120,7 +123,24 @@ class BulkWriter:
         assert slot is not None
         write_frame(slot.fd, frame, what)
         slot.generation += 1
+        self._trim(keep=index)
         return slot.fd, slot.inode, index, slot.generation
+
+    def _trim(self, keep: int) -> None:
+        """Drop released slots, largest first, while the cache exceeds its cap."""
+        cached = sum(slot.capacity for slot in self._slots if slot is not None)
+        if cached <= CACHE_CAP_BYTES:
+            return
+        free = sorted((slot.capacity, index) for index, slot in enumerate(self._slots)
+                      if slot is not None and index != keep
+                      and self._is_released(index, slot.generation))
+        while cached > CACHE_CAP_BYTES and free:
+            capacity, index = free.pop()
+            slot = self._slots[index]
+            assert slot is not None
+            os.close(slot.fd)
+            self._slots[index] = None
+            cached -= capacity
 
     def _free_slot(self, size: int) -> int | None:
         best: int | None = None
