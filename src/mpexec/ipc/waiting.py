@@ -66,31 +66,42 @@ def wait_until(
     pause = min(0.0005, tick_s)
     while True:
         on_tick()
-        if set_sleeping is not None:
-            set_sleeping(1)
-        word = futex_word() if futex_word is not None else None
-        if ready():
-            if set_sleeping is not None:
-                set_sleeping(0)
-            return
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            if set_sleeping is not None:
-                set_sleeping(0)
+            if ready():
+                return
             raise TimeoutError(f"{what} timed out; {describe()}")
         limit = tick_s if deadline is None else min(tick_s, deadline - now)
-        if word is not None:
-            sync.futex_wait(word[0], word[1], limit)
-        else:
-            time.sleep(min(pause, limit))
-            pause = min(pause * 2, tick_s)
-        if set_sleeping is not None:
-            set_sleeping(0)
-        if ready():
+        if _sleep(ready, futex_word, set_sleeping, limit, pause):
             return
+        pause = min(pause * 2, tick_s)
         now = time.monotonic()
         if now >= next_log:
             level = log_level() if callable(log_level) else log_level
             logger.log(level, "%s: still waiting after %.0f s; %s", what, now - started,
                        describe())
             next_log = now + log_interval_s
+
+
+def _sleep(ready: Callable[[], bool], futex_word: Callable[[], tuple[int, int]] | None,
+           set_sleeping: Callable[[int], None] | None, limit: float, pause: float) -> bool:
+    """One sleep of at most ``limit`` s; True when ``ready()`` holds after it.
+
+    The sleeping flag goes up before the last look at the word and comes down
+    however the sleep ends (a KeyboardInterrupt included), so the other side
+    never keeps paying for wake-ups nobody waits for.
+    """
+    if set_sleeping is not None:
+        set_sleeping(1)
+    try:
+        word = futex_word() if futex_word is not None else None
+        if ready():
+            return True
+        if word is not None:
+            sync.futex_wait(word[0], word[1], limit)
+        else:
+            time.sleep(min(pause, limit))
+    finally:
+        if set_sleeping is not None:
+            set_sleeping(0)
+    return ready()
