@@ -20,6 +20,7 @@ path.  Numbers depend on the machine and its load; compare within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,9 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 # -- 1. round trip ---------------------------------------------------------------
 
-def _raw_reader(handle: Any, rank: int, pipe: Connection) -> None:
+def _raw_reader(handle: Any, rank: int, pipe: Connection, cpus: list[int] | None) -> None:
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     broadcast = MessageQueue.create_from_handle(handle, rank)
     reply = MessageQueue(1, 1, name=f"raw-reply{rank}")
     pipe.send(reply.export_handle())
@@ -91,14 +95,38 @@ def _raw_reader(handle: Any, rank: int, pipe: Connection) -> None:
         reply.shutdown()
 
 
-def raw_round_trip(workers: int, iters: int) -> list[float]:
+def worker_cpus(workers: int, placement: str) -> list[list[int]] | None:
+    """``apart``: worker i on CPU (i + 1) mod n, the driver on CPU 0."""
+    if placement == "free":
+        return None
+    n = os.cpu_count() or 1
+    return [[(i + 1) % n] for i in range(workers)]
+
+
+@contextlib.contextmanager
+def driver_placement(placement: str) -> Iterator[None]:
+    if placement == "free":
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def raw_round_trip(workers: int, iters: int, placement: str = "free") -> list[float]:
+    cpus = worker_cpus(workers, placement)
     ctx = multiprocessing.get_context("fork")
     broadcast = MessageQueue(workers, workers, name="raw-broadcast")
     handle = broadcast.export_handle()
     pipes, procs = [], []
     for rank in range(workers):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_raw_reader, args=(handle, rank, writer), daemon=True)
+        proc = ctx.Process(target=_raw_reader,
+                           args=(handle, rank, writer, None if cpus is None else cpus[rank]),
+                           daemon=True)
         proc.start()
         writer.close()
         pipes.append(reader)
@@ -125,9 +153,9 @@ def raw_round_trip(workers: int, iters: int) -> list[float]:
     return samples
 
 
-def rpc_round_trip(workers: int, iters: int) -> list[float]:
+def rpc_round_trip(workers: int, iters: int, placement: str = "free") -> list[float]:
     samples = []
-    with MultiprocExecutor(config(workers)) as ex:
+    with MultiprocExecutor(config(workers, cpu_affinity=worker_cpus(workers, placement))) as ex:
         for i in range(iters + iters // 10):
             t0 = time.perf_counter()
             ex.collective_rpc("noop")
@@ -136,17 +164,32 @@ def rpc_round_trip(workers: int, iters: int) -> list[float]:
     return samples
 
 
-def bench_round_trip(iters: int) -> None:
+def bench_round_trip(iters: int, passes: int, placements: list[str]) -> None:
+    # Raw and rpc runs alternate, ``passes`` times each: every run starts new
+    # processes that the scheduler places anew, and on a small machine the
+    # placement moves a median more than the code does ("apart" pins the
+    # driver to CPU 0 and worker i to CPU i + 1 to take that out).  The ratio
+    # is taken per pass (raw and rpc back to back) and its median reported.
     rows = []
-    for workers in (1, 2, 4):
-        raw = raw_round_trip(workers, iters)
-        rpc = rpc_round_trip(workers, iters)
-        raw_med, rpc_med = statistics.median(raw), statistics.median(rpc)
-        rows.append([str(workers), f"{raw_med * 1e6:.1f}", f"{pct(raw, .99) * 1e6:.1f}",
-                     f"{rpc_med * 1e6:.1f}", f"{pct(rpc, .99) * 1e6:.1f}",
-                     f"{rpc_med / raw_med:.2f}x"])
-    table(f"1. no-op round trip, {iters} calls (us)",
-          ["workers", "raw mq p50", "raw mq p99", "rpc p50", "rpc p99", "rpc/raw p50"], rows)
+    for placement in placements:
+        for workers in (1, 2, 4):
+            raw: list[float] = []
+            rpc: list[float] = []
+            ratios = []
+            with driver_placement(placement):
+                for _ in range(passes):
+                    raw_pass = raw_round_trip(workers, iters, placement)
+                    rpc_pass = rpc_round_trip(workers, iters, placement)
+                    raw += raw_pass
+                    rpc += rpc_pass
+                    ratios.append(statistics.median(rpc_pass) / statistics.median(raw_pass))
+            rows.append([placement, str(workers), f"{statistics.median(raw) * 1e6:.1f}",
+                         f"{pct(raw, .99) * 1e6:.1f}", f"{statistics.median(rpc) * 1e6:.1f}",
+                         f"{pct(rpc, .99) * 1e6:.1f}", f"{statistics.median(ratios):.2f}x",
+                         " / ".join(f"{r:.2f}" for r in ratios)])
+    table(f"1. no-op round trip, {passes} passes x {iters} calls (us; target rpc/raw <= 1.3x)",
+          ["placement", "workers", "raw mq p50", "raw mq p99", "rpc p50", "rpc p99",
+           "rpc/raw p50", "per pass"], rows)
 
 
 # -- 2. pipelining ----------------------------------------------------------------
@@ -268,10 +311,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3000, help="round trips per row")
     parser.add_argument("--pipelined", type=int, default=10_000, help="outstanding calls")
     parser.add_argument("--reps", type=int, default=5, help="repetitions for 3-5")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="alternating raw/rpc passes for 1")
+    parser.add_argument("--placements", default="free,apart",
+                        help="CPU placements for 1: free (the scheduler's), apart (pinned)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"mpexec executor benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    bench_round_trip(args.iters)
+    bench_round_trip(args.iters, args.passes, args.placements.split(","))
     bench_pipelined(args.pipelined)
     bench_lifecycle(args.reps)
     bench_worker_kill(args.reps)
