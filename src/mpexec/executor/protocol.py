@@ -91,16 +91,14 @@ def worker_error(rank: int, pid: int, method: str, failure: RemoteFailure) -> Wo
 def decode_replies(method: str, single: bool, replies: dict[int, tuple[int, bool, Any]],
                    pid_of: Callable[[int], int]) -> Any:
     """One call's replies as the caller gets them: one result (``single``) or a
-    list in rank order; the first failure, in rank order, is raised instead."""
+    list in rank order; the first failure, in rank order, is raised instead.
+
+    ``replies`` maps rank to reply in ascending rank order, the order in
+    which the driver reads them.
+    """
+    for rank, (_, ok, payload) in replies.items():
+        if not ok:
+            raise worker_error(rank, pid_of(rank), method, payload)
     if single:
-        ((rank, (_, ok, payload)),) = replies.items()
-        if not ok:
-            raise worker_error(rank, pid_of(rank), method, payload)
-        return payload
-    results = []
-    for rank in sorted(replies):
-        _, ok, payload = replies[rank]
-        if not ok:
-            raise worker_error(rank, pid_of(rank), method, payload)
-        results.append(payload)
-    return results
+        return next(iter(replies.values()))[2]
+    return [reply[2] for reply in replies.values()]

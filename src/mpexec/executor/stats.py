@@ -62,14 +62,16 @@ class CallStats:
             entry.calls += 1
             if not ok:
                 entry.failures += 1
-            entry.max_s = max(entry.max_s, latency_s)
-            if len(entry.samples) < self.reservoir_size:
-                entry.samples.append(latency_s)
+            if latency_s > entry.max_s:
+                entry.max_s = latency_s
+            samples = entry.samples
+            if len(samples) < self.reservoir_size:
+                samples.append(latency_s)
             else:
                 # random() is one C call; randrange() costs a microsecond
                 slot = int(self._random.random() * entry.calls)
                 if slot < self.reservoir_size:
-                    entry.samples[slot] = latency_s
+                    samples[slot] = latency_s
 
     def snapshot(self) -> dict[str, MethodStats]:
         with self._lock:
