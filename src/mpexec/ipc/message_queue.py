@@ -27,17 +27,23 @@ free (total store order); on weakly ordered CPUs they are real fences (see
 ``sync``).  The full fence before checking a sleeping flag is needed
 everywhere: it is the store-then-load half of the wake-up handshake.
 
-Waiting costs nothing when idle.  A waiter polls its counter for a few
-microseconds, then polls with ``sched_yield`` for ``spin_s`` (so a busy
-partner on a shared core gets the CPU), then sets its sleeping flag and sleeps
-on the futex of the counter it waits for, at most ``tick_s`` at a time.  Every
-tick it checks its deadline, ``shutdown()``, the writer's closed flag and
-whether the peer process still lives, and every ``log_interval_s`` it logs
-which parties are behind.
+Waiting costs nothing when idle.  A waiter polls its counter between
+``sched_yield`` calls for ``spin_s`` (pure spinning collapses once spinners
+outnumber cores; yielding hands a shared core to the partner at once), then
+sets its sleeping flag and sleeps on the futex of the counter it waits for,
+at most ``tick_s`` at a time.  Every tick it checks its deadline,
+``shutdown()``, the writer's closed flag and whether the peer process still
+lives, and every ``log_interval_s`` it logs which parties are behind (see
+``waiting``).
 
-Message bodies: a frame that fits a chunk is copied into it, and the reader
-copies it out into private memory before releasing the chunk.  A larger frame
+Message bodies (chunk kinds in ``layout``): a small message without
+out-of-band buffers is a bare pickle in the chunk, unpickled in place before
+the reader releases the chunk; a frame with buffers that fits is copied in,
+and copied out into private memory before the release; a larger frame
 travels through a bulk segment (see ``bulk``): one copy in, none out.
+
+The writer's steps are ``writer.WriterEnd.enqueue``, the reader's
+``reader.ReaderEnd.dequeue``; both are mixed into :class:`MessageQueue`.
 
 Start-up: the writer creates the segment and exports a :class:`Handle`; each
 reader attaches with :meth:`MessageQueue.create_from_handle` (announcing its
