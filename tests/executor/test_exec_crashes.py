@@ -207,6 +207,4 @@ def test_result_timeout_does_not_lose_the_reply() -> None:
         with pytest.raises(TimeoutError):
             future.result(timeout=0.01)
         assert future.result(timeout=30) == [0]
-        started = time.monotonic()
         assert ex.collective_rpc("echo", args=(2,), timeout=30) == [2]
-        assert time.monotonic() - started < 30

@@ -156,12 +156,10 @@ def test_shutdown_from_another_thread_wakes_a_blocked_call(side: str) -> None:
     thread = threading.Thread(target=blocked)
     thread.start()
     time.sleep(0.2)  # let it reach the futex sleep
-    started = time.monotonic()
     target.shutdown()
-    thread.join(timeout=10)
+    thread.join(timeout=10)  # its own deadline is 30 s: only the wake-up ends it sooner
     assert not thread.is_alive()
     assert isinstance(outcome[0], QueueClosedError), outcome
-    assert time.monotonic() - started < 5
     reader.shutdown()
     writer.shutdown()
 
