@@ -145,7 +145,7 @@ class WorkerProc:
     # -- replies ----------------------------------------------------------------
 
     def enqueue_output(self, call_id: int, output: Any) -> None:
-        if isinstance(output, AsyncModelRunnerOutput):
+        if output is not None and isinstance(output, AsyncModelRunnerOutput):
             try:
                 output = output.get_output()
             except Exception as exc:
@@ -190,6 +190,7 @@ class WorkerProc:
         worker = self.worker
         # Synchronous replies skip the handle_output() indirection.
         handle_output = self.handle_output if self.use_async_scheduling else self.enqueue_output
+        traced = tracing.is_enabled()  # switched on (or not) before the loop starts
         while True:
             call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
             replies = output_rank is None or output_rank == rank
@@ -198,7 +199,7 @@ class WorkerProc:
                     func = worker.resolve(method)
                 else:
                     func = partial(cloudpickle.loads(method), worker)
-                if tracing.is_enabled():
+                if traced:
                     with tracing.span("worker.call", rank=rank, call_id=call_id,
                                       method=method if isinstance(method, str) else "callable"):
                         output = func(*args, **kwargs)
