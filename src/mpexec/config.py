@@ -172,6 +172,9 @@ class ExecutorConfig:
 
     mq_max_chunk_bytes: int = 512 * 1024
     mq_max_chunks: int = 8
+    # How long a queue waiter polls (yielding the CPU) before it sleeps on a
+    # futex: longer buys latency for back-to-back calls with CPU, 0 sleeps at once.
+    mq_spin_s: float = 0.001
     # Build a KVOutputAggregator so that KV transfer completion is merged over
     # all workers (every worker replies to execute_model / sample_tokens).
     aggregate_kv_outputs: bool = False
@@ -203,6 +206,8 @@ class ExecutorConfig:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"execute_model_timeout_s must be > 0 or None; got {timeout}")
         _require_positive(self, "mq_max_chunk_bytes", "mq_max_chunks")
+        if not 0 <= self.mq_spin_s <= 1:
+            raise ValueError(f"mq_spin_s must be in [0, 1] seconds; got {self.mq_spin_s}")
         local = self.parallel.local_world_size
         if self.cpu_affinity is not None:
             if len(self.cpu_affinity) != local:
@@ -251,6 +256,7 @@ class ExecutorConfig:
             "mp_start_method": envs.worker_multiproc_method,
             "mq_max_chunk_bytes": envs.mq_max_chunk_bytes,
             "mq_max_chunks": envs.mq_max_chunks,
+            "mq_spin_s": envs.mq_spin_s,
             "trace": envs.trace,
             "log_level": envs.logging_level,
         }

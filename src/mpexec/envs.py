@@ -19,6 +19,9 @@ MPEXEC_SHUTDOWN_GRACE_SECONDS            4          wait before SIGTERM (and
 MPEXEC_WORKER_MULTIPROC_METHOD           fork       fork, spawn or forkserver
 MPEXEC_MQ_MAX_CHUNK_BYTES                524288     bytes per ring chunk
 MPEXEC_MQ_MAX_CHUNKS                     8          chunks per ring
+MPEXEC_MQ_SPIN_SECONDS                   0.001      how long a queue waiter
+                                                    polls before it sleeps on
+                                                    a futex (0: sleep at once)
 MPEXEC_LOGGING_LEVEL                     INFO       level of mpexec's loggers
 MPEXEC_TRACE                             0          OpenTelemetry spans around
                                                     start-up and calls (when
@@ -49,6 +52,7 @@ class Envs:
     worker_multiproc_method: str = "fork"
     mq_max_chunk_bytes: int = 512 * 1024
     mq_max_chunks: int = 8
+    mq_spin_s: float = 0.001
     logging_level: str = "INFO"
     trace: bool = False
 
@@ -131,6 +135,7 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
             env, "MPEXEC_MQ_MAX_CHUNK_BYTES", _parse_positive_int, d.mq_max_chunk_bytes
         ),
         mq_max_chunks=_read(env, "MPEXEC_MQ_MAX_CHUNKS", _parse_positive_int, d.mq_max_chunks),
+        mq_spin_s=_read(env, "MPEXEC_MQ_SPIN_SECONDS", _parse_seconds, d.mq_spin_s),
         logging_level=_read(env, "MPEXEC_LOGGING_LEVEL", _parse_level, d.logging_level),
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
     )

@@ -57,6 +57,7 @@ def test_parallel_config_derived_sizes() -> None:
         ({"execute_model_timeout_s": -1}, "execute_model_timeout_s"),
         ({"shutdown_grace_s": -1}, "shutdown_grace_s"),
         ({"mq_max_chunks": 0}, "mq_max_chunks"),
+        ({"mq_spin_s": -0.1}, "mq_spin_s must be in"),
         ({"cpu_affinity": [[0]], "parallel": ParallelConfig(tensor_parallel_size=2)},
          "one per local worker"),
         ({"cpu_affinity": [[]]}, "cpu_affinity\\[0\\] is empty"),
@@ -86,6 +87,7 @@ def test_load_envs_defaults_and_values() -> None:
         "MPEXEC_WORKER_MULTIPROC_METHOD": "spawn",
         "MPEXEC_MQ_MAX_CHUNK_BYTES": "1048576",
         "MPEXEC_MQ_MAX_CHUNKS": "4",
+        "MPEXEC_MQ_SPIN_SECONDS": "0",
         "MPEXEC_LOGGING_LEVEL": "debug",
         "MPEXEC_TRACE": "1",
     })
@@ -93,6 +95,7 @@ def test_load_envs_defaults_and_values() -> None:
     assert envs.worker_multiproc_method == "spawn"
     assert envs.mq_max_chunk_bytes == 1 << 20
     assert envs.mq_max_chunks == 4
+    assert envs.mq_spin_s == 0.0
     assert envs.logging_level == "DEBUG"
     assert envs.trace is True
 

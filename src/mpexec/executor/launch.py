@@ -37,6 +37,7 @@ from mpexec.executor.protocol import READY_STR
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.worker_proc import worker_main
 from mpexec.ipc import Handle, MessageQueue
+from mpexec.ipc.message_queue import DEFAULT_SPIN_S
 from mpexec.system import maybe_force_spawn, set_worker_thread_env, worker_thread_env
 
 _EXITCODE_WAIT_S = 1.0
@@ -124,13 +125,14 @@ def _failed(handle: UnreadyWorkerProcHandle, response: dict[str, Any]) -> Worker
 
 
 def wait_for_response_handle_ready(
-    response: dict[str, Any], proc_handle: UnreadyWorkerProcHandle
+    response: dict[str, Any], proc_handle: UnreadyWorkerProcHandle,
+    spin_s: float = DEFAULT_SPIN_S,
 ) -> WorkerProcHandle:
     """Attach to the reply queue a READY worker announced."""
     response_handle: Handle = response["handle"]
     worker_response_mq = None
     if len(response_handle.local_reader_ranks) > 0:
-        worker_response_mq = MessageQueue.create_from_handle(response_handle, 0)
+        worker_response_mq = MessageQueue.create_from_handle(response_handle, 0, spin_s=spin_s)
     peer_worker_response_mqs: list[MessageQueue | None] = [
         MessageQueue.create_from_handle(handle, -1)
         if handle.remote_subscribe_addr is not None else None
@@ -141,7 +143,7 @@ def wait_for_response_handle_ready(
 
 
 def wait_for_ready(
-    unready: list[UnreadyWorkerProcHandle], timeout: float
+    unready: list[UnreadyWorkerProcHandle], timeout: float, spin_s: float = DEFAULT_SPIN_S,
 ) -> list[WorkerProcHandle]:
     """Every worker's READY, in rank order; ``WorkerStartupError`` otherwise.
 
@@ -175,7 +177,7 @@ def wait_for_ready(
                 if response.get("status") != READY_STR:
                     raise _failed(handle, response)
                 ready[handle.rank % len(ready)] = wait_for_response_handle_ready(
-                    response, handle)
+                    response, handle, spin_s)
             for obj in signalled:
                 handle = sentinels.get(obj) if isinstance(obj, int) else None
                 if handle is not None and not (handle.ready_pipe in pipes

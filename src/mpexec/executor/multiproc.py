@@ -153,7 +153,8 @@ class MultiprocExecutor(Executor):
                         inherited_fds.append(unready_handle.ready_pipe.fileno())
                 # Every worker exists before we wait for any: a real worker's
                 # init_device joins a collective with all of its peers.
-                self.workers[:] = wait_for_ready(unready, deadline - time.monotonic())
+                self.workers[:] = wait_for_ready(unready, deadline - time.monotonic(),
+                                                self.config.mq_spin_s)
                 self._handshake(deadline)
             if traced:
                 # Only a traced executor pays for the span around each call.
@@ -173,7 +174,8 @@ class MultiprocExecutor(Executor):
             return None  # followers get calls from the leader (multi-node)
         mq = MessageQueue(self.world_size, self.local_world_size,
                           max_chunk_bytes=self.config.mq_max_chunk_bytes,
-                          max_chunks=self.config.mq_max_chunks, name="broadcast")
+                          max_chunks=self.config.mq_max_chunks, name="broadcast",
+                          spin_s=self.config.mq_spin_s)
         self.rpc_broadcast_mq = mq
         self._resources.queues.append(mq)
         return mq.export_handle()

@@ -128,12 +128,15 @@ class WorkerProc:
     def _init_message_queues(self, input_shm_handle: Handle) -> None:
         if self.config.parallel.nnodes_within_dp != 1:
             raise NotImplementedError("workers on several nodes are not supported yet")
-        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank)
+        spin_s = self.config.mq_spin_s
+        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank,
+                                                                spin_s=spin_s)
         self.worker_response_mq = MessageQueue(
             1, 1,
             max_chunk_bytes=self.config.mq_max_chunk_bytes,
             max_chunks=self.config.mq_max_chunks,
             name=f"reply{self.rank}",
+            spin_s=spin_s,
         )
 
     @staticmethod
