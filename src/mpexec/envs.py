@@ -79,6 +79,13 @@ def _parse_seconds(text: str) -> float:
     return value
 
 
+def _parse_spin_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError("must be in [0, 1] seconds")
+    return value
+
+
 def _parse_level(text: str) -> str:
     level = text.strip().upper()
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -135,7 +142,7 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
             env, "MPEXEC_MQ_MAX_CHUNK_BYTES", _parse_positive_int, d.mq_max_chunk_bytes
         ),
         mq_max_chunks=_read(env, "MPEXEC_MQ_MAX_CHUNKS", _parse_positive_int, d.mq_max_chunks),
-        mq_spin_s=_read(env, "MPEXEC_MQ_SPIN_SECONDS", _parse_seconds, d.mq_spin_s),
+        mq_spin_s=_read(env, "MPEXEC_MQ_SPIN_SECONDS", _parse_spin_seconds, d.mq_spin_s),
         logging_level=_read(env, "MPEXEC_LOGGING_LEVEL", _parse_level, d.logging_level),
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
     )
