@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing.resource_tracker
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,13 +11,6 @@ from mpexec.config import ExecutorConfig, ParallelConfig
 from mpexec.executor import MultiprocExecutor
 
 WORKER = "tests.executor.workers:EchoWorker"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _resource_tracker() -> None:
-    # Spawn-context locks start multiprocessing's resource tracker on first
-    # use; starting it up front keeps it out of every leak_check's diff.
-    multiprocessing.resource_tracker.ensure_running()
 
 
 def make_config(tp: int = 2, pp: int = 1, **fields: Any) -> ExecutorConfig:
