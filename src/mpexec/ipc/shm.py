@@ -207,7 +207,10 @@ def map_private(fd: int, size: int, on_unmap: Callable[[], None] | None = None) 
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
     memory = (ctypes.c_ubyte * length).from_address(address)
-    weakref.finalize(memory, _unmap, address, length, on_unmap)
+    finalizer = weakref.finalize(memory, _unmap, address, length, on_unmap)
+    # Never at interpreter exit: objects still alive then may yet be read
+    # (by other finalizers), and unmapping under them would crash the process.
+    finalizer.atexit = False
     return memoryview(memory).cast("B")[:size]
 
 
