@@ -42,6 +42,7 @@ from mpexec.config import ExecutorConfig, ParallelConfig  # noqa: E402
 from mpexec.errors import WorkerDiedError  # noqa: E402
 from mpexec.executor import MultiprocExecutor, WorkerBase  # noqa: E402
 from mpexec.ipc import MessageQueue  # noqa: E402
+from mpexec.system import process_gone  # noqa: E402
 
 CALL = (1, "noop", (), {}, None)  # the shape of a broadcast call
 REPLY = (1, True, None)           # the shape of its reply
@@ -274,14 +275,6 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in {"Z", "X"}
-
-
 def bench_driver_kill(reps: int) -> None:
     samples, leftovers, new_shm = [], 0, 0
     for _ in range(reps):
@@ -294,10 +287,10 @@ def bench_driver_kill(reps: int) -> None:
         driver.kill()
         driver.wait(10)
         deadline = t0 + 10
-        while not all(_gone(p) for p in pids) and time.perf_counter() < deadline:
+        while not all(process_gone(p) for p in pids) and time.perf_counter() < deadline:
             time.sleep(0.001)
         samples.append(time.perf_counter() - t0)
-        leftovers += sum(not _gone(p) for p in pids)
+        leftovers += sum(not process_gone(p) for p in pids)
         new_shm += len(set(os.listdir("/dev/shm")) - shm_before)
         driver.stdout.close()
     table("5. driver SIGKILL -> workers gone (ms)",

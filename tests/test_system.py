@@ -417,3 +417,16 @@ def test_prefixed_stream_usable_in_child_forked_while_locked() -> None:
     assert "(Worker pid=" in result.stdout
     assert "child says hi" in result.stdout
     assert result.stdout.strip().endswith("child status 0")
+
+
+def test_process_gone() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from mpexec.system import process_gone
+
+    assert not process_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    assert process_gone(child.pid)

@@ -320,6 +320,16 @@ def worker_thread_env(num_threads: int | None) -> Iterator[dict[str, str]]:
 # descriptors and CPUs
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited: no such process, or only its zombie left."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in {"Z", "X"}
+
+
 def close_inherited_fds(fds: Sequence[int]) -> None:
     """Close descriptors a forked worker inherited but must not hold.
 

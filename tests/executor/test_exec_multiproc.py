@@ -16,6 +16,7 @@ from tests.executor.conftest import make_config
 from mpexec.config import SchedulerConfig
 from mpexec.executor import MultiprocExecutor
 from mpexec.outputs import ModelRunnerOutput, SchedulerOutput
+from mpexec.system import process_gone
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -125,14 +126,6 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in {"Z", "X"}
-
-
 def test_workers_exit_when_the_driver_is_sigkilled() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE,
@@ -144,9 +137,9 @@ def test_workers_exit_when_the_driver_is_sigkilled() -> None:
         driver.kill()
         driver.wait(30)
         deadline = time.monotonic() + 30
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        while not all(process_gone(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert all(_gone(p) for p in pids), f"workers {pids} outlived their driver"
+        assert all(process_gone(p) for p in pids), f"workers {pids} outlived their driver"
     finally:
         if driver.poll() is None:
             driver.kill()
