@@ -305,11 +305,7 @@ class MultiprocExecutor(Executor):
             ok = False
             try:
                 replies = self.replies.read_call(call_id, ranks, deadline, name, timeout)
-                if output_rank is not None and replies[output_rank][1]:
-                    value = replies[output_rank][2]  # one successful reply: nothing to decode
-                else:
-                    value = self._complete(name, unique_reply_rank, kv_output_aggregator,
-                                           replies)
+                value = self._complete(name, unique_reply_rank, kv_output_aggregator, replies)
                 ok = True
                 return value
             finally:

@@ -40,8 +40,11 @@ class ReaderEnd(QueueEnd):
             seq = self._seq
             cells = self._cells
             if cells[layout.WRITE_SEQ_CELL] <= seq:
-                # Poll briefly here, cheaply, before the general wait.
-                for _ in range(_FAST_POLLS):
+                # A few polls here cost less than setting up the general wait;
+                # a zero timeout (a poll, as when the driver drains replies)
+                # goes straight to it, which answers at once.
+                polls = _FAST_POLLS if timeout is None or timeout > 0 else 0
+                for _ in range(polls):
                     sync.cpu_relax()
                     if cells[layout.WRITE_SEQ_CELL] > seq:
                         break

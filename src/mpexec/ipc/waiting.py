@@ -52,7 +52,12 @@ def wait_until(
     on; ``None`` means plain sleeps.  ``set_sleeping(1/0)`` raises and lowers
     the flag the waker checks.  ``on_tick`` raises to abort the wait.
     """
-    spin_end = time.monotonic() + spin_s
+    now = time.monotonic()
+    if deadline is not None and now >= deadline:  # a poll: one look, no spinning
+        if ready():
+            return
+        raise TimeoutError(f"{what} timed out; {describe()}")
+    spin_end = now + spin_s
     while True:
         for _ in range(YIELD_BATCH):
             sync.cpu_relax()
