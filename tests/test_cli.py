@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,23 +13,14 @@ import pytest
 
 import mpexec
 from mpexec import cli, doctor
-
-SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
+from tests.python_child import run_python
 
 # Several tests start processes: each must leave none behind (see conftest).
 pytestmark = pytest.mark.usefixtures("leak_check")
 
 
 def run_mpexec(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=SRC_DIR)
-    return subprocess.run(
-        [sys.executable, "-m", "mpexec", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    return run_python("-m", "mpexec", *args, timeout=timeout)
 
 
 def test_help_lists_subcommands() -> None:
@@ -69,10 +58,7 @@ def test_help_does_not_import_heavy_modules() -> None:
         "if m in sys.modules]\n"
         "print(heavy)\n"
     )
-    env = dict(os.environ, PYTHONPATH=SRC_DIR)
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
-    )
+    result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import mpexec
+from tests.python_child import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC_DIR = str(Path(mpexec.__file__).resolve().parent.parent)
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -24,10 +21,7 @@ def test_import_is_cheap_and_torch_free() -> None:
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('mpexec.'))\n"
         "print(loaded)\n"
     )
-    env = dict(os.environ, PYTHONPATH=SRC_DIR)
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
-    )
+    result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -80,10 +74,7 @@ def test_readme_quick_start_runs(tmp_path: Path) -> None:
     assert blocks, "README.md has no Python example"
     script = tmp_path / "quick_start.py"
     script.write_text(blocks[0])
-    env = dict(os.environ, PYTHONPATH=SRC_DIR)
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
-    )
+    result = run_python(str(script))
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "[49, 49]"
