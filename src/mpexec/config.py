@@ -140,9 +140,8 @@ class ExecutorConfig:
     """Everything an executor is built from.
 
     ``worker_cls`` is a class or a ``"module:Class"`` name; each worker is
-    constructed with the standard keyword arguments (``config``,
-    ``local_rank``, ``rank``, ``distributed_init_method``,
-    ``is_driver_worker``, ``shared_worker_lock``) plus ``worker_kwargs``.
+    constructed as ``worker_cls(context, **worker_kwargs)`` with its
+    :class:`mpexec.executor.WorkerContext` (ranks, sizes, rendezvous, device).
     """
 
     worker_cls: type | str

@@ -7,6 +7,7 @@ worker implements the ``WorkerBase`` protocol.
 """
 
 from mpexec.executor.abstract import Executor, FailureCallback
+from mpexec.executor.context import WorkerContext
 from mpexec.executor.futures import FutureWrapper
 from mpexec.executor.multiproc import MultiprocExecutor
 from mpexec.executor.stats import MethodStats
@@ -24,5 +25,6 @@ __all__ = [
     "TerminationReport",
     "UniProcExecutor",
     "WorkerBase",
+    "WorkerContext",
     "WorkerWrapperBase",
 ]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from multiprocessing.synchronize import Lock as LockType
+from mpexec.executor.context import WorkerContext
 
+if TYPE_CHECKING:
     from mpexec.config import ExecutorConfig
     from mpexec.outputs import DraftTokenIds, GrammarOutput, SchedulerOutput
 
@@ -45,22 +45,14 @@ def resolve_class(spec: type | str, what: str = "class") -> type:
 class WorkerBase:
     """One model shard in one process (or in the driver, for UniProcExecutor)."""
 
-    def __init__(
-        self,
-        config: ExecutorConfig,
-        local_rank: int,
-        rank: int,
-        distributed_init_method: str,
-        is_driver_worker: bool = False,
-        shared_worker_lock: LockType | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.config = config
-        self.local_rank = local_rank
-        self.rank = rank
-        self.distributed_init_method = distributed_init_method
-        self.is_driver_worker = is_driver_worker
-        self.shared_worker_lock = shared_worker_lock
+    def __init__(self, context: WorkerContext, **kwargs: Any) -> None:
+        self.context = context
+        self.config = context.config
+        self.local_rank = context.local_rank
+        self.rank = context.rank
+        self.distributed_init_method = context.distributed_init_method
+        self.is_driver_worker = context.is_driver_worker
+        self.shared_worker_lock = context.shared_worker_lock
         self.kwargs = kwargs
 
     def init_device(self) -> None:
@@ -99,13 +91,31 @@ class WorkerWrapperBase:
     def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
         """Construct the worker from ``all_kwargs[self.rpc_rank]``.
 
-        The entry holds the standard arguments (``config`` among them); the
-        config's ``worker_kwargs`` are added to them.
+        The entry holds the standard arguments (``config``, ``rank``,
+        ``local_rank``, ``distributed_init_method``, ``is_driver_worker``,
+        ``shared_worker_lock``); they become one :class:`WorkerContext`, and
+        the worker is built as ``worker_cls(context, **config.worker_kwargs)``.
         """
         kwargs = dict(all_kwargs[self.rpc_rank])
         config: ExecutorConfig = kwargs["config"]
+        parallel = config.parallel
+        local_rank = kwargs["local_rank"]
+        device = f"cuda:{local_rank}" if config.device_type == "cuda" else "cpu"
+        context = WorkerContext(
+            config=config,
+            rank=kwargs["rank"],
+            local_rank=local_rank,
+            rpc_rank=self.rpc_rank,
+            world_size=parallel.world_size,
+            local_world_size=parallel.local_world_size,
+            distributed_init_method=kwargs["distributed_init_method"],
+            backend=parallel.backend,
+            device=device,
+            is_driver_worker=kwargs.get("is_driver_worker", False),
+            shared_worker_lock=kwargs.get("shared_worker_lock"),
+        )
         worker_cls = resolve_class(config.worker_cls, "worker_cls")
-        self.worker = worker_cls(**kwargs, **config.worker_kwargs)
+        self.worker = worker_cls(context, **config.worker_kwargs)
 
     def shutdown(self) -> None:
         if self.worker is not None:
