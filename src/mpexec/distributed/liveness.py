@@ -1,0 +1,78 @@
+"""Noticing that a peer process of a collective has died: pidfds and poll.
+
+A collective that waits for a dead peer would wait forever, so every sleep
+tick of a shared-memory collective asks :meth:`PeerWatch.check`.  A pidfd
+(``pidfd_open``) becomes readable when its process exits, whoever its
+parent is, and it names that process, never a later one that reuses the
+pid.  ``poll`` (not ``select``) takes descriptors of any number.  Where
+pidfds are missing (old kernels), ``kill(pid, 0)`` is the fallback: it
+cannot see a pid reused in the same tick, which is good enough for a
+failure path.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+
+class PeerDiedInCollectiveError(RuntimeError):
+    """A rank of the group exited while the others waited for it."""
+
+    def __init__(self, message: str, *, group_rank: int, pid: int) -> None:
+        super().__init__(message)
+        self.group_rank = group_rank
+        self.pid = pid
+
+
+class PeerWatch:
+    """Watches the processes of a group's other ranks; ``check`` raises once one is gone."""
+
+    def __init__(self, pids: dict[int, int], what: str) -> None:
+        """``pids`` maps group rank to pid (this process left out)."""
+        self.what = what
+        self._pids = dict(pids)
+        self._fds: dict[int, int] = {}  # descriptor -> group rank
+        self._poll: select.poll | None = None
+        if hasattr(os, "pidfd_open"):
+            self._poll = select.poll()
+            try:
+                for group_rank, pid in self._pids.items():
+                    fd = os.pidfd_open(pid)
+                    self._fds[fd] = group_rank
+                    self._poll.register(fd, select.POLLIN)
+            except ProcessLookupError:
+                self.close()
+                raise self._error(group_rank) from None
+            except OSError:  # no pidfd support here: fall back to kill(pid, 0)
+                self.close()
+                self._poll = None
+
+    def check(self) -> None:
+        """Raise :class:`PeerDiedInCollectiveError` if a watched process has exited."""
+        if self._poll is not None:
+            for fd, _events in self._poll.poll(0):
+                raise self._error(self._fds[fd])
+            return
+        for group_rank, pid in self._pids.items():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise self._error(group_rank) from None
+            except PermissionError:
+                pass  # alive, just not ours to signal
+
+    def _error(self, group_rank: int) -> PeerDiedInCollectiveError:
+        pid = self._pids[group_rank]
+        return PeerDiedInCollectiveError(
+            f"{self.what}: rank {group_rank} of the group (pid {pid}) exited while the "
+            "others waited for it; the group is unusable, destroy it and restart the workers",
+            group_rank=group_rank, pid=pid)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()

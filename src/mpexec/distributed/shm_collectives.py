@@ -1,0 +1,289 @@
+"""All-reduce and all-gather of CPU tensors through one shared segment.
+
+For the ranks of one group on one node, a collective is a handful of
+memory copies instead of gloo's trips through loopback TCP.  Group rank 0
+creates an anonymous memfd (nothing to unlink, gone after SIGKILL); the
+others open it through ``/proc/<pid>/fd/<n>`` from the (pid, fd, inode) that
+the group's gloo ``broadcast_object`` hands them.  The segment::
+
+    control   one 64-byte line per rank r:
+                +0  seq[r]       the last collective r has published (futex: low half)
+                +8  nbytes[r]    bytes r wrote for it (> capacity: "did not fit")
+                +16 sleeping[r]  1 while r sleeps waiting for a peer
+                +24 extent[r]    all_gather: r's size along the gathered dimension
+    data      2 buffers x N slots x capacity bytes; slot(b, r) belongs to rank r
+
+Collective number k, on every rank r of the group, in the same order:
+
+1. copy the tensor into slot(k % 2, r), if it fits;
+2. store nbytes[r] and extent[r], release fence, store seq[r] = k; full
+   fence; wake the futex of seq[r] if any peer's sleeping flag is up;
+3. wait until every seq[p] >= k: spin with ``sched_yield``, then sleep on
+   the futex of the first peer behind, raising ``sleeping[r]`` around the
+   sleep (``mpexec.ipc.waiting``); every sleep tick polls the peers' pidfds,
+   so a dead peer raises within a tick instead of hanging;
+4. all_reduce: sum slots 0, 1, ..., N-1 in that order into the caller's
+   tensor (the same additions on every rank: bit-identical results);
+   all_gather: concatenate the slots.
+
+Why two buffers are enough: rank r writes slot(k % 2, r) again at
+collective k + 2, after its wait in k + 1 saw every peer publish k + 1; a
+peer publishes k + 1 only after it has finished reading collective k.
+
+Growing: a rank whose tensor does not fit announces its size without data
+(step 2).  Every rank sees the same announcements after step 3, so all
+agree: the group swaps to a segment of the new capacity (rank 0 creates it,
+gloo broadcasts its reference, the old one is closed) and runs the
+collective again on it.  Sizes above ``max_bytes`` go to gloo instead, a
+decision every rank also takes from the same announcements.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpexec.distributed.liveness import PeerWatch
+from mpexec.ipc import sync
+from mpexec.ipc.shm import Segment, segment_name
+from mpexec.ipc.waiting import wait_until
+
+logger = logging.getLogger(__name__)
+
+LINE = 64
+SEQ, NBYTES, SLEEPING, EXTENT = 0, 8, 16, 24
+ALIGN = 64
+MIN_CAPACITY = 16 << 10
+
+# Spin a little before sleeping: the peer of a tensor-parallel step usually
+# arrives within microseconds, and a futex round trip costs tens of them.
+SPIN_S = 0.002
+# Each sleep is at most this long; a dead peer is noticed within one tick.
+TICK_S = 0.05
+LOG_INTERVAL_S = 60.0
+
+Broadcast = Callable[[Any], Any]
+
+
+def _round_capacity(nbytes: int) -> int:
+    return max(MIN_CAPACITY, 1 << max(nbytes - 1, 0).bit_length())
+
+
+class ShmCommunicator:
+    """The shared-memory collectives of one group's ranks on one node.
+
+    Built collectively by every rank of the group (rank 0 first creates the
+    segment).  ``broadcast(obj)`` is the group's gloo ``broadcast_object``
+    from group rank 0; ``pids`` lists every rank's pid in group order.
+    """
+
+    def __init__(self, rank: int, pids: list[int], broadcast: Broadcast, *,
+                 max_bytes: int, capacity: int = MIN_CAPACITY, what: str = "group") -> None:
+        self.rank = rank
+        self.world_size = len(pids)
+        self.pids = list(pids)
+        self.max_bytes = max_bytes
+        self.what = f"shared-memory collective of {what}"
+        self._broadcast = broadcast
+        self._seq = 0
+        self._broken: BaseException | None = None
+        self._segment: Segment | None = None
+        self._data: torch.Tensor | None = None
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.capacity = 0
+        self._watch = PeerWatch({r: p for r, p in enumerate(pids) if r != rank}, self.what)
+        try:
+            self._map_new_segment(_round_capacity(min(capacity, max_bytes)))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- segment -------------------------------------------------------------
+
+    def _map_new_segment(self, capacity: int) -> None:
+        """Collective: rank 0 creates a segment of ``capacity`` per slot, all map it."""
+        size = self.world_size * LINE + 2 * self.world_size * capacity
+        segment = None
+        if self.rank == 0:
+            segment = Segment.create(segment_name("allreduce"), size, self.what)
+            ref = self._broadcast(segment.ref())
+        else:
+            ref = self._broadcast(None)
+            segment = Segment.attach(ref, self.what)
+        self._drop_segment()
+        self._segment = segment
+        self.capacity = capacity
+        self._data = torch.frombuffer(segment.map, dtype=torch.uint8)
+
+    def _drop_segment(self) -> None:
+        # Tensor views export the mapping's buffer: drop them before unmapping.
+        self._views.clear()
+        self._data = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _slot(self, buffer: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (buffer, rank, dtype)
+        view = self._views.get(key)
+        if view is None:
+            assert self._data is not None
+            start = self.world_size * LINE + (buffer * self.world_size + rank) * self.capacity
+            view = self._data[start:start + self.capacity].view(dtype)
+            self._views[key] = view
+        return view
+
+    # -- the protocol ----------------------------------------------------------
+
+    def _cell(self, rank: int, field: int) -> int:
+        return (rank * LINE + field) // 8
+
+    def _publish(self, tensor: torch.Tensor, extent: int) -> int:
+        """Steps 1-2; returns the collective's buffer index."""
+        assert self._segment is not None
+        self._seq += 1
+        seq = self._seq
+        buffer = seq & 1
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= self.capacity:
+            self._slot(buffer, self.rank, tensor.dtype)[:tensor.numel()].copy_(
+                tensor.reshape(-1))
+        cells = self._segment.cells
+        cells[self._cell(self.rank, NBYTES)] = nbytes
+        cells[self._cell(self.rank, EXTENT)] = extent
+        sync.release_fence()
+        cells[self._cell(self.rank, SEQ)] = seq
+        sync.full_fence()
+        for peer in range(self.world_size):
+            if peer != self.rank and cells[self._cell(peer, SLEEPING)]:
+                sync.futex_wake(self._segment.address + sync.low_word_offset(
+                    self.rank * LINE + SEQ))
+                break
+        return buffer
+
+    def _wait_for_peers(self) -> None:
+        """Step 3: return once every rank has published the current collective."""
+        assert self._segment is not None
+        cells, seq, address = self._segment.cells, self._seq, self._segment.address
+        seq_cells = [self._cell(r, SEQ) for r in range(self.world_size)]
+
+        def everyone_arrived() -> bool:
+            return all(cells[c] >= seq for c in seq_cells)
+
+        if everyone_arrived():
+            sync.acquire_fence()
+            return
+
+        def first_behind() -> tuple[int, int]:
+            for r, c in enumerate(seq_cells):
+                value = cells[c]
+                if value < seq:
+                    return address + sync.low_word_offset(r * LINE + SEQ), value & 0xFFFFFFFF
+            return address + sync.low_word_offset(self.rank * LINE + SEQ), seq & 0xFFFFFFFF
+
+        def set_sleeping(flag: int) -> None:
+            cells[self._cell(self.rank, SLEEPING)] = flag
+            sync.full_fence()  # the flag must be visible before our last look
+
+        def behind() -> str:
+            late = [f"rank {r} (pid {self.pids[r]}) at {cells[c]}"
+                    for r, c in enumerate(seq_cells) if cells[c] < seq]
+            return f"waiting for collective {seq}: " + ", ".join(late)
+
+        wait_until(everyone_arrived, futex_word=first_behind, set_sleeping=set_sleeping,
+                   deadline=None, spin_s=SPIN_S, tick_s=TICK_S, log_interval_s=LOG_INTERVAL_S,
+                   on_tick=self._watch.check, describe=behind, what=self.what)
+        sync.acquire_fence()
+
+    def _exchange(self, tensor: torch.Tensor, extent: int) -> tuple[int, list[int]] | None:
+        """Publish and wait, growing the segment when some rank did not fit.
+
+        Returns (buffer, every rank's nbytes), or None when the sizes are too
+        large for shared memory and the caller must use gloo (all ranks agree).
+        """
+        if self._broken is not None:
+            raise RuntimeError(f"{self.what} is unusable after an earlier failure") \
+                from self._broken
+        try:
+            while True:
+                buffer = self._publish(tensor, extent)
+                self._wait_for_peers()
+                assert self._segment is not None
+                cells = self._segment.cells
+                sizes = [cells[self._cell(r, NBYTES)] for r in range(self.world_size)]
+                largest = max(sizes)
+                if largest <= self.capacity:
+                    return buffer, sizes
+                if largest > self.max_bytes:
+                    return None
+                logger.debug("%s: growing slots from %d to %d bytes", self.what,
+                             self.capacity, _round_capacity(largest))
+                self._map_new_segment(_round_capacity(largest))
+        except BaseException as exc:
+            self._broken = exc
+            raise
+
+    # -- collectives -----------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> bool:
+        """Sum ``tensor`` (contiguous, CPU) over the group in place; False: use gloo."""
+        if tensor.numel() * tensor.element_size() > self.max_bytes:
+            return False  # every rank holds the same shape: they all decide alike
+        exchanged = self._exchange(tensor, 0)
+        if exchanged is None:
+            return False
+        buffer, _sizes = exchanged
+        n = tensor.numel()
+        flat = tensor.view(-1)
+        slots = [self._slot(buffer, r, tensor.dtype)[:n] for r in range(self.world_size)]
+        torch.add(slots[0], slots[1], out=flat)
+        for slot in slots[2:]:
+            flat.add_(slot)
+        return True
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Concatenate every rank's ``tensor`` along ``dim``; None: use gloo.
+
+        Sizes along ``dim`` may differ between ranks; the other dimensions
+        must agree.
+        """
+        contiguous = tensor.contiguous()
+        exchanged = self._exchange(contiguous, contiguous.shape[dim])
+        if exchanged is None:
+            return None
+        buffer, sizes = exchanged
+        assert self._segment is not None
+        cells = self._segment.cells
+        parts = []
+        for r in range(self.world_size):
+            shape = list(contiguous.shape)
+            shape[dim] = cells[self._cell(r, EXTENT)]
+            numel = math.prod(shape)
+            if numel * contiguous.element_size() != sizes[r]:
+                raise ValueError(
+                    f"all_gather: rank {r} sent {sizes[r]} bytes, which is not a tensor "
+                    f"of shape {shape} and dtype {contiguous.dtype}: every rank must pass "
+                    "the same dtype and the same sizes outside the gathered dimension")
+            parts.append(self._slot(buffer, r, contiguous.dtype)[:numel].view(shape))
+        return torch.cat(parts, dim=dim)
+
+    def close(self) -> None:
+        """Unmap and stop watching; idempotent.  Not collective."""
+        self._drop_segment()
+        self._watch.close()
+        self._broken = self._broken or RuntimeError(f"{self.what} was closed")
+
+
+def node_identity() -> str:
+    """The same string for every process of one machine (and one boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
