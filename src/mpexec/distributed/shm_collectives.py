@@ -7,16 +7,16 @@ others open it through ``/proc/<pid>/fd/<n>`` from the (pid, fd, inode) that
 the group's gloo ``broadcast_object`` hands them.  The segment::
 
     control   one 64-byte line per rank r:
-                +0  seq[r]       the last collective r has published (futex: low half)
-                +8  nbytes[r]    bytes r wrote for it (> capacity: "did not fit")
-                +16 sleeping[r]  1 while r sleeps waiting for a peer
-                +24 extent[r]    all_gather: r's size along the gathered dimension
+                +0  seq[r]          the last collective r has published (futex: low half)
+                +8  sleeping[r]     1 while r sleeps waiting for a peer
+                +16 nbytes[r][b]    bytes r wrote into buffer b (> capacity: "did not fit")
+                +32 extent[r][b]    all_gather: r's size along the gathered dimension
     data      2 buffers x N slots x capacity bytes; slot(b, r) belongs to rank r
 
 Collective number k, on every rank r of the group, in the same order:
 
 1. copy the tensor into slot(k % 2, r), if it fits;
-2. store nbytes[r] and extent[r], release fence, store seq[r] = k; full
+2. store nbytes[r][k % 2] and extent[r][k % 2], release fence, store seq[r] = k; full
    fence; wake the futex of seq[r] if any peer's sleeping flag is up;
 3. wait until every seq[p] >= k: spin with ``sched_yield``, then sleep on
    the futex of the first peer behind, raising ``sleeping[r]`` around the
@@ -28,7 +28,9 @@ Collective number k, on every rank r of the group, in the same order:
 
 Why two buffers are enough: rank r writes slot(k % 2, r) again at
 collective k + 2, after its wait in k + 1 saw every peer publish k + 1; a
-peer publishes k + 1 only after it has finished reading collective k.
+peer publishes k + 1 only after it has finished reading collective k.  The
+sizes are double-buffered for the same reason: a fast rank publishes the
+sizes of k + 1 while a slow one still reads those of k.
 
 Growing: a rank whose tensor does not fit announces its size without data
 (step 2).  Every rank sees the same announcements after step 3, so all
@@ -56,7 +58,7 @@ from mpexec.ipc.waiting import wait_until
 logger = logging.getLogger(__name__)
 
 LINE = 64
-SEQ, NBYTES, SLEEPING, EXTENT = 0, 8, 16, 24
+SEQ, SLEEPING, NBYTES, EXTENT = 0, 8, 16, 32
 ALIGN = 64
 MIN_CAPACITY = 16 << 10
 
@@ -154,8 +156,8 @@ class ShmCommunicator:
             self._slot(buffer, self.rank, tensor.dtype)[:tensor.numel()].copy_(
                 tensor.reshape(-1))
         cells = self._segment.cells
-        cells[self._cell(self.rank, NBYTES)] = nbytes
-        cells[self._cell(self.rank, EXTENT)] = extent
+        cells[self._cell(self.rank, NBYTES + 8 * buffer)] = nbytes
+        cells[self._cell(self.rank, EXTENT + 8 * buffer)] = extent
         sync.release_fence()
         cells[self._cell(self.rank, SEQ)] = seq
         sync.full_fence()
@@ -215,7 +217,8 @@ class ShmCommunicator:
                 self._wait_for_peers()
                 assert self._segment is not None
                 cells = self._segment.cells
-                sizes = [cells[self._cell(r, NBYTES)] for r in range(self.world_size)]
+                sizes = [cells[self._cell(r, NBYTES + 8 * buffer)]
+                         for r in range(self.world_size)]
                 largest = max(sizes)
                 if largest <= self.capacity:
                     return buffer, sizes
@@ -262,7 +265,7 @@ class ShmCommunicator:
         parts = []
         for r in range(self.world_size):
             shape = list(contiguous.shape)
-            shape[dim] = cells[self._cell(r, EXTENT)]
+            shape[dim] = cells[self._cell(r, EXTENT + 8 * buffer)]
             numel = math.prod(shape)
             if numel * contiguous.element_size() != sizes[r]:
                 raise ValueError(
