@@ -78,13 +78,14 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
     if pp.world_size > 1:
         # along the pipeline: each stage adds its stage number and passes on
         if pp.is_first_rank:
-            hidden = {"hidden": torch.ones(16, 576), "residual": torch.zeros(16, 576, dtype=torch.bfloat16),
+            hidden = {"hidden": torch.ones(16, 576),
+                      "residual": torch.zeros(16, 576, dtype=torch.bfloat16),
                       "empty": torch.empty(0, 4), "step": 0}
         else:
             hidden = pp.recv_tensor_dict()
             out["received"] = hidden
         if not pp.is_last_rank:
-            hidden = {k: (v + 1 if isinstance(v, torch.Tensor) else v + 1) for k, v in hidden.items()}
+            hidden = {k: v + 1 for k, v in hidden.items()}  # tensors and the step alike
             pp.send_tensor_dict(hidden)
             pp.send(torch.arange(4.0) + rank, pp.rank_in_group + 1)
         if not pp.is_first_rank:

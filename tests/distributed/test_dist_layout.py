@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from mpexec.config import ParallelConfig  # noqa: E402
-from mpexec.distributed.layout import DIMENSIONS, ParallelLayout  # noqa: E402
-from mpexec.executor.ranks import parallel_ranks  # noqa: E402
+from mpexec.config import ParallelConfig
+from mpexec.distributed.layout import DIMENSIONS, ParallelLayout
+from mpexec.executor.ranks import parallel_ranks
 
 pytestmark = pytest.mark.torch
 
