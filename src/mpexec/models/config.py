@@ -1,0 +1,365 @@
+"""ModelConfig: the shape of a Llama-family decoder, read from a checkpoint.
+
+Two sources give the same frozen object:
+
+    config.json (+ generation_config.json, tokenizer_config.json)  ── from_hf_dir
+    GGUF metadata (``<arch>.*`` and ``tokenizer.*`` keys)           ── from_gguf_fields
+
+Everything the model cannot run is refused here, at load time, with a
+``CheckpointError`` (a ``ValueError``) that names the file and the field:
+an unknown architecture, mixture-of-experts, a sliding window shorter than
+the context, a missing field, a head size that does not tile the hidden size,
+a rope scaling form this stack does not implement.  The model then trusts the
+config and never re-checks it.
+
+``rope_scaling`` is kept in Hugging Face's config.json form, normalised so the
+kind is always under ``"rope_type"`` (``"linear"``, ``"dynamic"``,
+``"llama3"``, ``"yarn"``); ``None`` means plain rotary embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: names the file and the field or tensor."""
+
+    def __init__(self, path: str | Path, what: str, problem: str) -> None:
+        super().__init__(f"{path}: {what}: {problem}")
+        self.path = str(path)
+        self.what = what
+        self.problem = problem
+
+
+# model_type of config.json ─► the architecture name the model uses.
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+_ROPE_TYPES = {"linear", "dynamic", "llama3", "yarn"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model needs to build itself; see the module docstring."""
+
+    architecture: str  # "llama" (Llama, Mistral, SmolLM) or "qwen2" (q/k/v biases)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q_proj, k_proj and v_proj carry biases (o_proj never does)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+
+    # ── from a Hugging Face directory ────────────────────────────────────
+
+    @classmethod
+    def from_hf_dir(cls, directory: str | Path) -> ModelConfig:
+        directory = Path(directory)
+        config_path = directory / "config.json"
+        raw = _read_json(config_path)
+        generation = _read_json(directory / "generation_config.json", missing_ok=True)
+        tokenizer_config = _read_json(directory / "tokenizer_config.json", missing_ok=True)
+        return cls.from_hf_dict(
+            raw,
+            source=config_path,
+            generation_config=generation,
+            chat_template=_hf_chat_template(directory, tokenizer_config),
+        )
+
+    @classmethod
+    def from_hf_dict(
+        cls,
+        raw: Mapping[str, Any],
+        *,
+        source: str | Path = "config.json",
+        generation_config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> ModelConfig:
+        field = _FieldReader(raw, source)
+        model_type = field.get("model_type", str)
+        if model_type not in _HF_MODEL_TYPES:
+            raise CheckpointError(source, "model_type", f"{model_type!r} is not supported "
+                                  f"(supported: {', '.join(sorted(_HF_MODEL_TYPES))})")
+        architectures = raw.get("architectures") or []
+        unknown = [a for a in architectures if a not in _HF_ARCHITECTURES]
+        if unknown:
+            raise CheckpointError(source, "architectures", f"{unknown[0]!r} is not supported")
+        for key in _MOE_KEYS:
+            if raw.get(key):
+                raise CheckpointError(source, key, "mixture-of-experts models are not supported")
+        architecture = _HF_MODEL_TYPES[model_type]
+
+        hidden_size = field.get("hidden_size", int)
+        num_heads = field.get("num_attention_heads", int)
+        num_kv_heads = field.get("num_key_value_heads", int, default=num_heads)
+        head_dim = field.get("head_dim", int, default=None)
+        max_pos = field.get("max_position_embeddings", int)
+        _check_sliding_window(raw, source, model_type, max_pos)
+
+        if architecture == "qwen2":
+            attention_bias = True
+        else:
+            attention_bias = bool(raw.get("attention_bias", False))
+            if attention_bias:
+                # Llama's flag also puts a bias on o_proj, which this model has not.
+                raise CheckpointError(source, "attention_bias",
+                                      "Llama-style attention_bias (o_proj bias) is not supported")
+        if raw.get("mlp_bias"):
+            raise CheckpointError(source, "mlp_bias", "MLP biases are not supported")
+
+        # transformers 5 writes rope_parameters; older files rope_theta + rope_scaling.
+        rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, Mapping):
+            rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope_scaling: Any = dict(rope_parameters)
+            rope_scaling.pop("rope_theta", None)
+        else:
+            rope_theta = float(raw.get("rope_theta", 10000.0))
+            rope_scaling = raw.get("rope_scaling")
+
+        eos = _as_id_tuple(raw.get("eos_token_id"))
+        if generation_config:
+            eos += tuple(i for i in _as_id_tuple(generation_config.get("eos_token_id"))
+                         if i not in eos)
+        bos = raw.get("bos_token_id")
+        if isinstance(bos, list):
+            bos = bos[0] if bos else None
+
+        return cls.validated(
+            source,
+            architecture=architecture,
+            vocab_size=field.get("vocab_size", int),
+            hidden_size=hidden_size,
+            intermediate_size=field.get("intermediate_size", int),
+            num_hidden_layers=field.get("num_hidden_layers", int),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim if head_dim is not None else hidden_size // max(num_heads, 1),
+            rms_norm_eps=float(field.get("rms_norm_eps", float, default=1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=normalize_rope_scaling(rope_scaling, source, max_pos),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            chat_template=chat_template,
+        )
+
+    # ── from GGUF metadata ───────────────────────────────────────────────
+
+    @classmethod
+    def from_gguf_fields(
+        cls, fields: Mapping[str, Any], *, source: str | Path, has_output_tensor: bool
+    ) -> ModelConfig:
+        """``fields``: GGUF key → decoded value (ints, floats, strings, lists)."""
+        field = _FieldReader(fields, source)
+        arch = field.get("general.architecture", str)
+        if arch not in ("llama", "qwen2"):
+            raise CheckpointError(source, "general.architecture",
+                                  f"{arch!r} is not supported (supported: llama, qwen2)")
+        if fields.get(f"{arch}.expert_count"):
+            raise CheckpointError(source, f"{arch}.expert_count",
+                                  "mixture-of-experts models are not supported")
+        hidden_size = field.get(f"{arch}.embedding_length", int)
+        num_heads = field.get(f"{arch}.attention.head_count", int)
+        num_kv_heads = field.get(f"{arch}.attention.head_count_kv", int, default=num_heads)
+        head_dim = hidden_size // max(num_heads, 1)
+        for key in (f"{arch}.attention.key_length", f"{arch}.attention.value_length",
+                    f"{arch}.rope.dimension_count"):
+            value = fields.get(key)
+            if value is not None and int(value) != head_dim:
+                raise CheckpointError(source, key, f"{value} differs from the head size "
+                                      f"{head_dim} (embedding_length / head_count)")
+        max_pos = field.get(f"{arch}.context_length", int)
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab_size = fields.get(f"{arch}.vocab_size")
+        if vocab_size is None:
+            if tokens is None:
+                raise CheckpointError(source, f"{arch}.vocab_size", "missing (and no tokenizer)")
+            vocab_size = len(tokens)
+        eos = _as_id_tuple(fields.get("tokenizer.ggml.eos_token_id"))
+        eot = fields.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos:
+            eos += (int(eot),)
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        return cls.validated(
+            source,
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=field.get(f"{arch}.feed_forward_length", int),
+            num_hidden_layers=field.get(f"{arch}.block_count", int),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(field.get(f"{arch}.attention.layer_norm_rms_epsilon", float)),
+            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(fields, arch, source, max_pos),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=not has_output_tensor,
+            attention_bias=arch == "qwen2",
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos,
+            chat_template=fields.get("tokenizer.chat_template"),
+        )
+
+    # ── shared validation ────────────────────────────────────────────────
+
+    @classmethod
+    def validated(cls, source: str | Path, **values: Any) -> ModelConfig:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if values[name] <= 0:
+                raise CheckpointError(source, name, f"must be positive, got {values[name]}")
+        heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
+        if heads % kv_heads:
+            raise CheckpointError(source, "num_key_value_heads",
+                                  f"{kv_heads} does not divide num_attention_heads={heads}")
+        if values["head_dim"] * heads != values["hidden_size"]:
+            raise CheckpointError(source, "head_dim", f"head_dim={values['head_dim']} × "
+                                  f"{heads} heads != hidden_size={values['hidden_size']}")
+        if values["head_dim"] % 2:
+            raise CheckpointError(source, "head_dim", "rotary embeddings need an even head size")
+        if values["rms_norm_eps"] <= 0 or values["rope_theta"] <= 0:
+            raise CheckpointError(source, "rms_norm_eps/rope_theta", "must be positive")
+        return cls(**values)
+
+
+def normalize_rope_scaling(
+    scaling: Any, source: str | Path, max_position_embeddings: int
+) -> dict[str, Any] | None:
+    """Check a config.json ``rope_scaling`` and return it with ``rope_type`` set."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise CheckpointError(source, "rope_scaling", f"expected an object, got {scaling!r}")
+    out = dict(scaling)
+    kind = out.pop("rope_type", None) or out.pop("type", None)
+    out.pop("type", None)
+    if kind in (None, "default"):
+        return None
+    if kind not in _ROPE_TYPES:
+        raise CheckpointError(source, "rope_scaling.rope_type", f"{kind!r} is not supported "
+                              f"(supported: {', '.join(sorted(_ROPE_TYPES))})")
+    factor = out.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1.0:
+        raise CheckpointError(source, "rope_scaling.factor",
+                              f"must be a number >= 1, got {factor!r}")
+    out["factor"] = float(factor)
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not isinstance(out.get(key), (int, float)):
+                raise CheckpointError(source, f"rope_scaling.{key}", "missing (llama3 needs it)")
+        if out["low_freq_factor"] >= out["high_freq_factor"]:
+            raise CheckpointError(source, "rope_scaling.low_freq_factor",
+                                  "must be below high_freq_factor")
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings",
+                       int(max_position_embeddings / out["factor"]))
+        out.setdefault("beta_fast", 32.0)
+        out.setdefault("beta_slow", 1.0)
+        if out["beta_fast"] <= out["beta_slow"]:
+            raise CheckpointError(source, "rope_scaling.beta_fast", "must exceed beta_slow")
+    return {"rope_type": kind, **out}
+
+
+def _gguf_rope_scaling(
+    fields: Mapping[str, Any], arch: str, source: str | Path, max_pos: int
+) -> dict[str, Any] | None:
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    factor = fields.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none"):
+        if factor not in (None, 0.0, 1.0):
+            raise CheckpointError(source, f"{arch}.rope.scaling.factor",
+                                  "set without a scaling type")
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return normalize_rope_scaling(scaling, source, max_pos)
+
+
+def _check_sliding_window(raw: Mapping[str, Any], source: str | Path, model_type: str,
+                          max_pos: int) -> None:
+    window = raw.get("sliding_window")
+    used = raw.get("use_sliding_window", model_type == "mistral")
+    if used and window is not None and int(window) < max_pos:
+        raise CheckpointError(source, "sliding_window", f"a window of {window} tokens shorter "
+                              f"than max_position_embeddings={max_pos} is not supported")
+
+
+def _hf_chat_template(directory: Path, tokenizer_config: Mapping[str, Any] | None) -> str | None:
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = (tokenizer_config or {}).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _read_json(path: Path, *, missing_ok: bool = False) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if missing_ok:
+            return {}
+        raise CheckpointError(path, "file", "missing") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, "json", f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(path, "json", "expected an object at the top level")
+    return value
+
+
+class _FieldReader:
+    """Typed access to one config's fields; errors name the file and the field."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: Mapping[str, Any], source: str | Path) -> None:
+        self.raw = raw
+        self.source = source
+
+    def get(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            if default is self._MISSING:
+                raise CheckpointError(self.source, key, "missing")
+            return default
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError(self.source, key, f"expected an integer, got {value!r}")
+        if kind is float and not isinstance(value, (int, float)):
+            raise CheckpointError(self.source, key, f"expected a number, got {value!r}")
+        if kind is str and not isinstance(value, str):
+            raise CheckpointError(self.source, key, f"expected a string, got {value!r}")
+        return value

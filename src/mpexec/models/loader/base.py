@@ -1,0 +1,133 @@
+"""What every checkpoint format gives the model: names, shapes, slices.
+
+    model (one rank) ── read(name, dim, start, stop) ──► Checkpoint ──► disk
+                                                          │  only the bytes of
+                                                          │  that slice (where
+                                                          ▼  the format allows)
+                                          torch tensor in Hugging Face layout
+
+A rank of a tensor-parallel model asks for its rows (``dim=0``) or columns
+(``dim=1``) of each weight, and the replicated tensors whole.  The format
+classes (``hf.HFCheckpoint``, ``gguf_file.GGUFCheckpoint``) implement
+``_shape`` and ``_read_slice``; this class checks the request, counts nothing
+itself (``bytes_read`` is the format's count of bytes taken from the file),
+and on open checks every tensor the config implies is there with the shape it
+implies (``expected_shapes``), so a damaged or mismatched checkpoint fails at
+open with the file and the tensor named, not later inside a matmul.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from mpexec.models.config import CheckpointError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpexec.models.tokenizer import Tokenizer
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter the model loads, in Hugging Face names, with its shape."""
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+class Checkpoint:
+    """An open checkpoint; see the module docstring.  Use as a context manager."""
+
+    def __init__(self, path: Path, config: ModelConfig) -> None:
+        self.path = path
+        self.config = config
+        self.bytes_read = 0
+        self._shapes = expected_shapes(config)
+
+    # ── the API the model uses ───────────────────────────────────────────
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        try:
+            return self._shapes[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no parameter {name!r}") from None
+
+    def read(
+        self,
+        name: str,
+        dim: int | None = None,
+        start: int = 0,
+        stop: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``tensor[start:stop]`` along ``dim`` (the whole tensor when ``dim`` is None)."""
+        import torch
+
+        shape = self.shape(name)
+        if dim is None:
+            dim, start, stop = 0, 0, shape[0]
+        if not -len(shape) <= dim < len(shape):
+            raise IndexError(f"{self.path}: {name} has {len(shape)} dims, asked for dim {dim}")
+        dim %= len(shape)
+        stop = shape[dim] if stop is None else stop
+        if not 0 <= start <= stop <= shape[dim]:
+            raise IndexError(f"{self.path}: {name}: slice [{start}:{stop}] outside "
+                             f"0..{shape[dim]} along dim {dim}")
+        tensor = self._read_slice(name, dim, start, stop)
+        return tensor.to(torch.float32 if dtype is None else dtype)
+
+    def tokenizer(self) -> Tokenizer:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release file handles and mappings; idempotent."""
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+    # ── what a format implements ─────────────────────────────────────────
+
+    def _read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_tensors(self, found: dict[str, tuple[int, ...]], where: dict[str, Any]) -> None:
+        """Every expected tensor present with its shape; ``where[name]`` names its file."""
+        for name, want in self._shapes.items():
+            if name not in found:
+                raise CheckpointError(self.path, name, "tensor missing from the checkpoint")
+            if tuple(found[name]) != want:
+                raise CheckpointError(where.get(name, self.path), name,
+                                      f"shape {tuple(found[name])} does not match the "
+                                      f"config's {want}")
