@@ -154,7 +154,7 @@ def test_peer_killed_mid_collective(delay: float, use_shm: bool, leak_check: Non
             assert 2 in out["dead"]
             assert f"rank 2 of the group (pid {out['dead'][2]})" in message
             assert "unusable" in out["again"]
-        # promptness: far inside the 30 s bound (the shared-memory path ticks every 50 ms)
+        # promptness: far inside the 30 s bound (the shared-memory path ticks every 100 ms)
         assert out["waited"] < 10
 
 

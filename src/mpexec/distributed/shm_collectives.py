@@ -38,6 +38,11 @@ agree: the group swaps to a segment of the new capacity (rank 0 creates it,
 gloo broadcasts its reference, the old one is closed) and runs the
 collective again on it.  Sizes above ``max_bytes`` go to gloo instead, a
 decision every rank also takes from the same announcements.
+
+Every rank sums every slot, so an all_reduce costs each rank N reads of
+the tensor; past ``max_reduce_bytes`` of reading (N x the tensor), gloo's
+ring, where each rank reduces 1/N, is faster (measured: 4 MiB across 4
+ranks on 2 CPUs), and the tensor goes there.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ MIN_CAPACITY = 16 << 10
 # arrives within microseconds, and a futex round trip costs tens of them.
 SPIN_S = 0.002
 # Each sleep is at most this long; a dead peer is noticed within one tick.
-TICK_S = 0.05
+TICK_S = 0.1
 LOG_INTERVAL_S = 60.0
 
 Broadcast = Callable[[Any], Any]
@@ -85,11 +90,13 @@ class ShmCommunicator:
     """
 
     def __init__(self, rank: int, pids: list[int], broadcast: Broadcast, *,
-                 max_bytes: int, capacity: int = MIN_CAPACITY, what: str = "group") -> None:
+                 max_bytes: int, max_reduce_bytes: int, capacity: int = MIN_CAPACITY,
+                 what: str = "group") -> None:
         self.rank = rank
         self.world_size = len(pids)
         self.pids = list(pids)
         self.max_bytes = max_bytes
+        self.max_reduce_bytes = max_reduce_bytes
         self.what = f"shared-memory collective of {what}"
         self._broadcast = broadcast
         self._seq = 0
@@ -235,7 +242,8 @@ class ShmCommunicator:
 
     def all_reduce(self, tensor: torch.Tensor) -> bool:
         """Sum ``tensor`` (contiguous, CPU) over the group in place; False: use gloo."""
-        if tensor.numel() * tensor.element_size() > self.max_bytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.max_bytes or nbytes * self.world_size > self.max_reduce_bytes:
             return False  # every rank holds the same shape: they all decide alike
         exchanged = self._exchange(tensor, 0)
         if exchanged is None:
