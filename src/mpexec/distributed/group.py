@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Per-slot limit of the shared-memory path; larger tensors go through gloo.
 DEFAULT_SHM_MAX_BYTES = 8 << 20
-# An all_reduce reads every rank's slot: past this much reading gloo is faster.
-DEFAULT_SHM_MAX_REDUCE_BYTES = 8 << 20
 
 
 class GroupCoordinator:
@@ -117,7 +115,6 @@ class GroupCoordinator:
         try:
             comm = ShmCommunicator(self.rank_in_group, [pid for _node, pid in peers],
                                    self.broadcast_object, max_bytes=self.shm_max_bytes,
-                                   max_reduce_bytes=DEFAULT_SHM_MAX_REDUCE_BYTES,
                                    what=f"the {self.name} group")
         except Exception as exc:  # every rank must learn of it: see the agreement below
             failure = f"{type(exc).__name__}: {exc}"
