@@ -20,7 +20,9 @@ from tests.distributed.spmd import run_ranks  # noqa: E402
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]
 
 GROUPS = ("world", *DIMENSIONS)
-SIZES = (1, 576, 5000)  # 5000 float32 outgrow the first 16 KiB slots: the segment regrows
+# 5000 float32 outgrow the first 16 KiB slots (the segment regrows); 131075 float32
+# (just over 512 KiB) take the two-phase all_reduce, in chunks that do not divide evenly.
+SIZES = (1, 576, 5000, 131_075)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -17,12 +17,14 @@ import select
 
 
 class PeerDiedInCollectiveError(RuntimeError):
-    """A rank of the group exited while the others waited for it."""
+    """Ranks of the group exited while the others waited for them.
 
-    def __init__(self, message: str, *, group_rank: int, pid: int) -> None:
+    ``dead`` maps each exited rank (within the group) to its pid.
+    """
+
+    def __init__(self, message: str, *, dead: dict[int, int]) -> None:
         super().__init__(message)
-        self.group_rank = group_rank
-        self.pid = pid
+        self.dead = dict(dead)
 
 
 class PeerWatch:
@@ -43,7 +45,7 @@ class PeerWatch:
                     self._poll.register(fd, select.POLLIN)
             except ProcessLookupError:
                 self.close()
-                raise self._error(group_rank) from None
+                raise self._error([group_rank]) from None
             except OSError:  # no pidfd support here: fall back to kill(pid, 0)
                 self.close()
                 self._poll = None
@@ -51,23 +53,18 @@ class PeerWatch:
     def check(self) -> None:
         """Raise :class:`PeerDiedInCollectiveError` if a watched process has exited."""
         if self._poll is not None:
-            for fd, _events in self._poll.poll(0):
-                raise self._error(self._fds[fd])
-            return
-        for group_rank, pid in self._pids.items():
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise self._error(group_rank) from None
-            except PermissionError:
-                pass  # alive, just not ours to signal
+            dead = sorted(self._fds[fd] for fd, _events in self._poll.poll(0))
+        else:
+            dead = [r for r, pid in sorted(self._pids.items()) if not _alive(pid)]
+        if dead:
+            raise self._error(dead)
 
-    def _error(self, group_rank: int) -> PeerDiedInCollectiveError:
-        pid = self._pids[group_rank]
+    def _error(self, group_ranks: list[int]) -> PeerDiedInCollectiveError:
+        dead = {r: self._pids[r] for r in group_ranks}
+        names = ", ".join(f"rank {r} of the group (pid {pid})" for r, pid in dead.items())
         return PeerDiedInCollectiveError(
-            f"{self.what}: rank {group_rank} of the group (pid {pid}) exited while the "
-            "others waited for it; the group is unusable, destroy it and restart the workers",
-            group_rank=group_rank, pid=pid)
+            f"{self.what}: {names} exited while the others waited; the group is "
+            "unusable, destroy it and restart the workers", dead=dead)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -76,3 +73,13 @@ class PeerWatch:
             except OSError:
                 pass
         self._fds.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, just not ours to signal
+    return True

@@ -1,0 +1,220 @@
+"""Initialising, failing, dying and tearing down: the life of the groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpexec.distributed as d  # noqa: E402
+from tests.distributed.spmd import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+
+
+# -- in this process: errors before and around initialisation ----------------
+
+
+@pytest.mark.parametrize("getter", [d.get_world_group, d.get_tp_group, d.get_pp_group,
+                                    d.get_pcp_group, d.get_dcp_group, d.get_dp_group,
+                                    d.get_ep_group])
+def test_groups_before_initialisation_name_the_fix(getter: Any) -> None:
+    assert not d.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match=r"init_distributed_environment\(\.\.\.\)"):
+        getter()
+
+
+def test_model_parallel_needs_the_environment() -> None:
+    with pytest.raises(RuntimeError, match="call init_distributed_environment"):
+        d.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def test_nccl_without_cuda_names_gloo(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: NCCL may work here")
+    with pytest.raises(RuntimeError, match="backend='gloo'"):
+        d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "nccl")
+    with pytest.raises(RuntimeError, match="'no-such-backend' is not available"):
+        d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "no-such-backend")
+    assert not torch.distributed.is_initialized()
+
+
+def test_single_rank_world_in_process(tmp_path: Path, leak_check: None) -> None:
+    init = f"file://{tmp_path}/store"
+    d.init_distributed_environment(1, 0, 0, init, "gloo")
+    try:
+        with pytest.raises(RuntimeError, match="already initialised"):
+            d.init_distributed_environment(1, 0, 0, init + "-other", "gloo")
+        with pytest.raises(ValueError, match=r"world size 1 != .* = 2"):
+            d.initialize_model_parallel(tensor_model_parallel_size=2)
+        assert not d.model_parallel_is_initialized()
+        d.initialize_model_parallel()
+        d.initialize_model_parallel()  # the same layout again: nothing to do
+        with pytest.raises(RuntimeError, match="destroy_model_parallel"):
+            d.initialize_model_parallel(enable_expert_parallel=True)
+        tp = d.get_tp_group()
+        x = torch.arange(4.0)
+        # a group of one: every collective hands the tensor back untouched
+        assert tp.all_reduce(x) is x
+        assert tp.all_gather(x) is x
+        assert tp.gather(x) is x
+        assert tp.broadcast(x) is x
+        assert tp.broadcast_object("o") == "o"
+        tp.barrier()
+        with pytest.raises(ValueError, match="itself"):
+            tp.send(x, 0)
+        with pytest.raises(ValueError, match="not a rank"):
+            tp.broadcast(x, src=1)
+        assert d.parallel_worker_name() == "Worker"
+    finally:
+        d.destroy_distributed_environment()
+    d.destroy_distributed_environment()
+    assert not torch.distributed.is_initialized()
+    assert not d.model_parallel_is_initialized()
+
+
+# -- forked ranks -----------------------------------------------------------------
+
+
+def reinitialise(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=2)
+    first = d.get_tp_group().all_reduce(torch.full((8,), rank + 1.0))
+    d.destroy_model_parallel()
+    d.initialize_model_parallel(pipeline_model_parallel_size=2)  # new groups, same world
+    pp = d.get_pp_group()
+    if pp.is_first_rank:
+        pp.send(torch.arange(3.0))
+        relayed = None
+    else:
+        relayed = pp.recv((3,), torch.float32)
+    d.destroy_distributed_environment()
+    # a whole new world in the same process
+    d.init_distributed_environment(world_size, rank, rank, init_method + "-again", "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=2)
+    second = d.get_tp_group().all_reduce(torch.full((8,), rank + 10.0))
+    d.destroy_distributed_environment()
+    return {"first": first, "relayed": relayed, "second": second}
+
+
+def test_destroy_then_reinitialise(leak_check: None) -> None:
+    results = run_ranks(2, reinitialise)
+    for out in results:
+        assert torch.equal(out["first"], torch.full((8,), 3.0))
+        assert torch.equal(out["second"], torch.full((8,), 21.0))
+    assert torch.equal(results[1]["relayed"], torch.arange(3.0))
+
+
+def die_mid_collective(rank: int, world_size: int, init_method: str, victim: int,
+                       delay: float, use_shm: bool) -> dict[str, Any]:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size,
+                                use_shared_memory=use_shm)
+    tp = d.get_tp_group()
+    tp.all_reduce(torch.ones(16))  # the group works
+    if rank == victim:
+        time.sleep(delay)  # the others are waiting in the next all_reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    error: BaseException | None = None
+    try:
+        tp.all_reduce(torch.ones(16))
+    except RuntimeError as exc:
+        error = exc
+    waited = time.monotonic() - started
+    again = None
+    if use_shm:
+        try:
+            tp.all_reduce(torch.ones(16))
+        except RuntimeError as exc:
+            again = str(exc)
+    d.destroy_distributed_environment()  # must not hang on the dead peer
+    return {"error": None if error is None else (type(error).__name__, str(error)),
+            "dead": getattr(error, "dead", None), "waited": waited, "again": again}
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.5], ids=["at-once", "while-others-sleep"])
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "gloo"])
+def test_peer_killed_mid_collective(delay: float, use_shm: bool, leak_check: None) -> None:
+    results = run_ranks(3, die_mid_collective, 2, delay, use_shm, timeout=30,
+                        expect_dead=frozenset({2}))
+    assert results[2] is None
+    for out in results[:2]:
+        assert out["error"] is not None
+        kind, message = out["error"]
+        if use_shm:
+            assert kind == "PeerDiedInCollectiveError"
+            # the victim, and perhaps a survivor that already gave up and exited
+            assert 2 in out["dead"]
+            assert f"rank 2 of the group (pid {out['dead'][2]})" in message
+            assert "unusable" in out["again"]
+        # promptness: far inside the 30 s bound (the shared-memory path ticks every 100 ms)
+        assert out["waited"] < 10
+
+
+def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    tp.all_reduce(torch.ones(4))
+    cpu = None
+    if rank == 0:
+        before = time.process_time()
+        tp.all_reduce(torch.ones(4))
+        cpu = time.process_time() - before
+    else:
+        time.sleep(idle_s)
+        tp.all_reduce(torch.ones(4))
+    d.destroy_distributed_environment()
+    return cpu
+
+
+def test_an_idle_rank_sleeps(leak_check: None) -> None:
+    cpu = run_ranks(2, idle_wait, 1.5)[0]
+    assert cpu is not None and cpu < 0.1, f"{cpu:.3f} CPU-s while waiting 1.5 s"
+
+
+def titled(rank: int, world_size: int, init_method: str) -> tuple[str, str]:
+    import sys
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    name = d.setup_proc_title_and_log_prefix()
+    prefix = getattr(sys.stdout, "prefix", "")
+    d.destroy_distributed_environment()
+    return name, prefix
+
+
+def test_process_title_and_log_prefix_use_group_ranks(leak_check: None) -> None:
+    results = run_ranks(4, titled)
+    names = [name for name, _ in results]
+    assert names == ["Worker_PP0_TP0", "Worker_PP0_TP1", "Worker_PP1_TP0", "Worker_PP1_TP1"]
+    for name, prefix in results:
+        assert prefix.startswith(f"({name} pid=")
+
+
+def queue_over_group(rank: int, world_size: int, init_method: str) -> Any:
+    from mpexec.ipc import MessageQueue
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    queue = MessageQueue.create_from_process_group(d.get_tp_group(), 1 << 16, 4, writer_rank=1)
+    got = [queue.broadcast_object({"step": i} if rank == 1 else None) for i in range(3)]
+    queue.shutdown()
+    d.destroy_distributed_environment()
+    return got
+
+
+def test_message_queue_over_a_group(leak_check: None) -> None:
+    from mpexec.ipc import MessageQueue
+
+    if not hasattr(MessageQueue, "create_from_process_group"):
+        pytest.skip("MessageQueue.create_from_process_group has not landed yet")
+    for got in run_ranks(3, queue_over_group):
+        assert got == [{"step": 0}, {"step": 1}, {"step": 2}]
