@@ -11,10 +11,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.python_child import SRC_DIR
 
 from mpexec.models import fetch
 from mpexec.models.fetch import ModelFetchError, ModelSource, fetch_model, resolve_model
-from tests.python_child import SRC_DIR
 
 MEMBER = "fake_model/tiny.gguf"
 PAYLOAD = b"GGUF" + bytes(range(256)) * 4000  # ~1 MB
@@ -170,7 +170,7 @@ def test_local_paths_are_checked(tmp_path: Path) -> None:
         resolve_model(tmp_path / "fake.gguf")
     (tmp_path / "real.gguf").write_bytes(PAYLOAD)
     assert resolve_model(str(tmp_path / "real.gguf")) == (tmp_path / "real.gguf").resolve()
-    with pytest.raises(ModelFetchError, match="without config.json"):
+    with pytest.raises(ModelFetchError, match=r"without config\.json"):
         resolve_model(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelFetchError, match="safetensors"):

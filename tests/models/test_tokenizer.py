@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from mpexec.models.loader import open_checkpoint  # noqa: E402
-from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf  # noqa: E402
-from mpexec.models.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
+from mpexec.models.loader import open_checkpoint
+from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+from mpexec.models.tokenizer import IncrementalDecoder, Tokenizer
 
 FRAGMENTS = [
     "Hello", " world", "the quick brown fox", "12345", " 2024-01-01", "3.14159", "x=42;",
@@ -26,7 +26,7 @@ FRAGMENTS = [
 
 def sample_strings(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    strings = list(FRAGMENTS) + ["", " ", "  ", "a", " a", "a "]
+    strings = [*FRAGMENTS, "", " ", "  ", "a", " a", "a "]
     while len(strings) < count:
         strings.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 6))))
     return strings
