@@ -204,3 +204,52 @@ def test_smollm2_weights_equal_transformers(smollm2_gguf: Path) -> None:
         q = "model.layers.7.self_attn.q_proj.weight"
         torch.testing.assert_close(ckpt.read(q, dim=0, start=192, stop=384),
                                    oracle[q][192:384], rtol=1e-6, atol=1e-6)
+
+
+# ── the header parser against gguf's own reader ────────────────────────────
+
+def assert_header_matches_gguf(path: Path) -> None:
+    from mpexec.models.loader.gguf_header import read_header
+
+    header = read_header(path)
+    reader = gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert header.fields == expected
+    assert header.version == reader.fields["GGUF.version"].contents()
+    assert [(t.name, t.ne, t.ggml_type, t.offset) for t in header.tensors] == [
+        (t.name, tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset))
+        for t in reader.tensors]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+def test_header_parser_matches_gguf_reader(tiny_gguf: dict[str, Path], qtype: str) -> None:
+    assert_header_matches_gguf(tiny_gguf[qtype])
+
+
+@pytest.mark.slow
+def test_header_parser_matches_gguf_reader_on_smollm2(smollm2_gguf: Path) -> None:
+    assert_header_matches_gguf(smollm2_gguf)
+
+
+def test_every_cut_and_corruption_gives_a_checkpoint_error(tmp_path: Path,
+                                                          tiny_gguf: dict[str, Path]) -> None:
+    """Cut the file anywhere, or flip header bytes: a CheckpointError or a clean open."""
+    from mpexec.models.loader.gguf_header import read_header
+
+    data = tiny_gguf["Q8_0"].read_bytes()
+    header_end = read_header(tiny_gguf["Q8_0"]).tensors[0].offset
+    victim = tmp_path / "v.gguf"
+    rng = np.random.default_rng(3)
+    cuts = sorted(set(rng.integers(0, header_end, 60).tolist()) | {0, 3, 4, 8, 23, 24})
+    for cut in [*cuts, header_end, len(data) - 1]:
+        victim.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=r"v\.gguf"):
+            open_checkpoint(victim)
+    for position in rng.integers(4, header_end, 60).tolist():
+        damaged = bytearray(data)
+        damaged[position] ^= 0xFF
+        victim.write_bytes(bytes(damaged))
+        try:
+            open_checkpoint(victim).close()
+        except CheckpointError as e:
+            assert "v.gguf" in str(e)

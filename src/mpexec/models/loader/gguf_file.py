@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) read as Hugging Face tensors.
 
-    file ── gguf.GGUFReader (memory-mapped) ──► metadata fields ─► ModelConfig
-                                              └─► tensor infos: name, type, ne, offset
+    file ── gguf_header.read_header (memory-mapped) ──► metadata fields ─► ModelConfig
+                                                     └─► tensor table: name, type, ne, offset
     read(hf_name, dim, start, stop)
         hf name ─► gguf name (blk.N.attn_q.weight …)
         rows [start:stop] (dim 0)        → only those rows' bytes
@@ -15,7 +15,7 @@ rotary halves of every Q and K head (row ``h·d + 2i + j`` of the file is row
 ``h·d + j·d/2 + i`` of the Hugging Face tensor) for the ``llama``
 architecture; a read of Q or K rows takes whole heads and undoes it.
 
-Every check that can fail is done at open: the magic and header (gguf), that
+Every check that can fail is done at open: the magic and header, that
 each tensor's bytes lie inside the file, its type is one we decode, and it has
 the shape the metadata implies.
 """
@@ -30,6 +30,7 @@ import numpy as np
 
 from mpexec.models.config import CheckpointError, ModelConfig
 from mpexec.models.loader.base import Checkpoint
+from mpexec.models.loader.gguf_header import TensorEntry, read_header
 from mpexec.models.loader.quants import ENCODINGS, Encoding, dequantize
 
 if TYPE_CHECKING:
@@ -57,9 +58,6 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-# Arrays only the tokenizer needs: decoded when it is built, not at open.
-_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                     "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -90,15 +88,15 @@ class _TensorInfo:
 
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path) -> None:
-        reader = _open_reader(path)
-        self._reader: Any = reader
-        self._fields = _decode_fields(reader)
+        header = read_header(path)
+        self._data: Any = header.data
+        self._fields = header.fields
         self._infos: dict[str, _TensorInfo] = {}
-        found = self._scan_tensors(path, reader)
+        self._permuted_heads: dict[str, int] = {}
+        found = self._scan_tensors(path, header.tensors)
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
         super().__init__(path, config)
-        self._permuted_heads: dict[str, int] = {}
         if config.architecture == "llama":  # the converter permutes llama's Q and K only
             for layer in range(config.num_hidden_layers):
                 for proj in ("q_proj", "k_proj"):
@@ -107,27 +105,27 @@ class GGUFCheckpoint(Checkpoint):
                             = config.head_dim
         self._check_tensors(found, {})
 
-    def _scan_tensors(self, path: Path, reader: Any) -> dict[str, tuple[int, ...]]:
-        file_size = path.stat().st_size
+    def _scan_tensors(self, path: Path, tensors: list[TensorEntry]) -> dict[str, tuple[int, ...]]:
+        file_size = len(self._data)
         found: dict[str, tuple[int, ...]] = {}
-        for tensor in reader.tensors:
+        for tensor in tensors:
             if tensor.name == "rope_freqs.weight":
                 raise CheckpointError(path, tensor.name, "per-dimension rope frequencies "
                                       "(llama3 rope scaling in GGUF) are not supported")
             name = hf_name(tensor.name)
             if name is None:
                 continue
-            encoding = ENCODINGS.get(int(tensor.tensor_type))
+            encoding = ENCODINGS.get(tensor.ggml_type)
             if encoding is None:
-                raise CheckpointError(path, tensor.name, f"tensor type {tensor.tensor_type.name}"
-                                      " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} is not "
+                                      "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
+            shape = tuple(reversed(tensor.ne))
             columns = shape[-1]
             if columns % encoding.block_elements:
                 raise CheckpointError(path, tensor.name, f"row of {columns} elements is not "
                                       f"whole {encoding.name} blocks")
             rows = int(np.prod(shape[:-1], dtype=np.int64))
-            info = _TensorInfo(tensor.name, encoding, int(tensor.data_offset), rows, columns)
+            info = _TensorInfo(tensor.name, encoding, tensor.offset, rows, columns)
             if info.offset + rows * info.row_bytes > file_size:
                 raise CheckpointError(path, tensor.name, f"tensor data runs past the end of the "
                                       f"file ({file_size} bytes): the file is truncated")
@@ -166,7 +164,7 @@ class GGUFCheckpoint(Checkpoint):
         per_block = info.encoding.block_elements
         block0, block1 = col0 // per_block, -(-col1 // per_block)
         width = info.encoding.block_bytes
-        table = self._reader.data[info.offset: info.offset + info.rows * info.row_bytes]
+        table = self._data[info.offset: info.offset + info.rows * info.row_bytes]
         raw = np.asarray(table).reshape(info.rows, info.row_bytes)[
             row0:row1, block0 * width: block1 * width]
         self.bytes_read += raw.size
@@ -174,10 +172,7 @@ class GGUFCheckpoint(Checkpoint):
         return values[:, col0 - block0 * per_block: col1 - block0 * per_block]
 
     def metadata(self) -> dict[str, Any]:
-        """Every GGUF key → value (tokenizer arrays decoded on first call)."""
-        for key in _TOKENIZER_ARRAYS:
-            if key in self._reader.fields and not isinstance(self._fields.get(key), list):
-                self._fields[key] = self._reader.fields[key].contents()
+        """Every GGUF metadata key → its decoded value."""
         return self._fields
 
     def tokenizer(self) -> Tokenizer:
@@ -186,7 +181,7 @@ class GGUFCheckpoint(Checkpoint):
         return Tokenizer.from_gguf_fields(self.metadata(), source=self.path, config=self.config)
 
     def close(self) -> None:
-        self._reader = None  # the memory map goes with the last reference
+        self._data = None  # the memory map goes with the last reference
 
 
 def _unpermute(values: np.ndarray, head: int) -> np.ndarray:
@@ -194,59 +189,3 @@ def _unpermute(values: np.ndarray, head: int) -> np.ndarray:
     rows, columns = values.shape
     return (values.reshape(rows // head, head // 2, 2, columns)
             .swapaxes(1, 2).reshape(rows, columns))
-
-
-def _open_reader(path: Path) -> Any:
-    import gguf
-
-    class CheckedReader(gguf.GGUFReader):
-        """gguf's reader, checking each tensor's bytes lie inside the file first.
-
-        Without this a truncated file fails inside the reader with a numpy
-        reshape error that names neither the tensor nor the cause.
-        """
-
-        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-            file_size = len(self.data)
-            for field in fields:
-                _, name_data, _, dims, raw_dtype, offset = field.parts
-                name = bytes(name_data).decode("utf-8", "replace")
-                try:
-                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(
-                        int(raw_dtype[0]))]
-                except (ValueError, KeyError):
-                    raise CheckpointError(path, name, f"unknown tensor type {raw_dtype[0]}"
-                                          ) from None
-                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
-                if end > file_size:
-                    raise CheckpointError(path, name, f"tensor data ends at byte {end}, past "
-                                          f"the end of the file ({file_size} bytes): the file "
-                                          "is truncated")
-            super()._build_tensors(start_offs, fields)
-
-    try:
-        return CheckedReader(str(path), "r")
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(path, "header", f"not a GGUF file ({e})") from None
-    except (IndexError, OSError, UnicodeDecodeError, KeyError) as e:
-        raise CheckpointError(path, "header", f"truncated or corrupt GGUF header ({e!r})"
-                              ) from None
-
-
-def _decode_fields(reader: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _TOKENIZER_ARRAYS:
-            fields[key] = _Count(len(field.data))  # decoded by metadata()
-        else:
-            fields[key] = field.contents()
-    return fields
-
-
-class _Count(int):
-    """Stands in for a tokenizer array until it is decoded: ``len()`` is its size."""
-
-    def __len__(self) -> int:
-        return int(self)
