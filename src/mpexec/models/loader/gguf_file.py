@@ -1,0 +1,191 @@
+"""GGUF files (llama.cpp's format) read as Hugging Face tensors.
+
+    file ── gguf_header.read_header (memory-mapped) ──► metadata fields ─► ModelConfig
+                                                     └─► tensor table: name, type, ne, offset
+    read(hf_name, dim, start, stop)
+        hf name ─► gguf name (blk.N.attn_q.weight …)
+        rows [start:stop] (dim 0)        → only those rows' bytes
+        columns [start:stop] (last dim)  → only the 32-element blocks that cover them
+        ─► quants.dequantize ─► Q/K rows put back in Hugging Face order
+
+Layout: GGUF lists dimensions fastest first (``ne[0]`` is the row length), so
+a torch ``(out, in)`` weight appears as ``[in, out]``; the file's bytes are the
+same row-major rows either way.  llama.cpp's converter interleaves the two
+rotary halves of every Q and K head (row ``h·d + 2i + j`` of the file is row
+``h·d + j·d/2 + i`` of the Hugging Face tensor) for the ``llama``
+architecture; a read of Q or K rows takes whole heads and undoes it.
+
+Every check that can fail is done at open: the magic and header, that
+each tensor's bytes lie inside the file, its type is one we decode, and it has
+the shape the metadata implies.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mpexec.models.config import CheckpointError, ModelConfig
+from mpexec.models.loader.base import Checkpoint
+from mpexec.models.loader.gguf_header import TensorEntry, read_header
+from mpexec.models.loader.quants import ENCODINGS, Encoding, dequantize
+
+if TYPE_CHECKING:
+    import torch
+
+    from mpexec.models.tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor (None: not a model weight)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+class _TensorInfo:
+    __slots__ = ("gguf_name", "encoding", "offset", "rows", "columns")
+
+    def __init__(self, gguf_name: str, encoding: Encoding, offset: int, rows: int,
+                 columns: int) -> None:
+        self.gguf_name = gguf_name
+        self.encoding = encoding
+        self.offset = offset      # absolute byte offset of the first row in the file
+        self.rows = rows          # product of all but the last torch dimension
+        self.columns = columns    # the last torch dimension (GGUF's ne[0])
+
+    @property
+    def row_bytes(self) -> int:
+        return self.encoding.row_bytes(self.columns)
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path) -> None:
+        header = read_header(path)
+        self._data: Any = header.data
+        self._fields = header.fields
+        self._infos: dict[str, _TensorInfo] = {}
+        self._permuted_heads: dict[str, int] = {}
+        found = self._scan_tensors(path, header.tensors)
+        config = ModelConfig.from_gguf_fields(self._fields, source=path,
+                                              has_output_tensor="lm_head.weight" in found)
+        super().__init__(path, config)
+        if config.architecture == "llama":  # the converter permutes llama's Q and K only
+            for layer in range(config.num_hidden_layers):
+                for proj in ("q_proj", "k_proj"):
+                    for kind in ("weight", "bias"):
+                        self._permuted_heads[f"model.layers.{layer}.self_attn.{proj}.{kind}"] \
+                            = config.head_dim
+        self._check_tensors(found, {})
+
+    def _scan_tensors(self, path: Path, tensors: list[TensorEntry]) -> dict[str, tuple[int, ...]]:
+        file_size = len(self._data)
+        found: dict[str, tuple[int, ...]] = {}
+        for tensor in tensors:
+            if tensor.name == "rope_freqs.weight":
+                raise CheckpointError(path, tensor.name, "per-dimension rope frequencies "
+                                      "(llama3 rope scaling in GGUF) are not supported")
+            name = hf_name(tensor.name)
+            if name is None:
+                continue
+            encoding = ENCODINGS.get(tensor.ggml_type)
+            if encoding is None:
+                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} is not "
+                                      "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
+            shape = tuple(reversed(tensor.ne))
+            columns = shape[-1]
+            if columns % encoding.block_elements:
+                raise CheckpointError(path, tensor.name, f"row of {columns} elements is not "
+                                      f"whole {encoding.name} blocks")
+            rows = int(np.prod(shape[:-1], dtype=np.int64))
+            info = _TensorInfo(tensor.name, encoding, tensor.offset, rows, columns)
+            if info.offset + rows * info.row_bytes > file_size:
+                raise CheckpointError(path, tensor.name, f"tensor data runs past the end of the "
+                                      f"file ({file_size} bytes): the file is truncated")
+            self._infos[name] = info
+            found[name] = shape
+        return found
+
+    def _read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        import torch
+
+        info = self._infos[name]
+        shape = self.shape(name)
+        head = self._permuted_heads.get(name)
+        if len(shape) == 1:
+            values = self._read_block(info, 0, 1, 0, info.columns)[0]
+            if head is not None:
+                values = _unpermute(values[:, None], head)[:, 0]
+            return torch.from_numpy(np.ascontiguousarray(values[start:stop]))
+        if dim == 0:
+            first, last = start, stop
+            if head is not None:  # whole heads, then undo the interleave, then trim
+                first, last = start // head * head, -(-stop // head) * head
+            values = self._read_block(info, first, last, 0, info.columns)
+            if head is not None:
+                values = _unpermute(values, head)
+            values = values[start - first: stop - first]
+        else:
+            values = self._read_block(info, 0, info.rows, start, stop)
+            if head is not None:
+                values = _unpermute(values, head)
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def _read_block(self, info: _TensorInfo, row0: int, row1: int, col0: int,
+                    col1: int) -> np.ndarray:
+        """Rows [row0:row1], columns [col0:col1] of a tensor as float32, via whole blocks."""
+        per_block = info.encoding.block_elements
+        block0, block1 = col0 // per_block, -(-col1 // per_block)
+        width = info.encoding.block_bytes
+        table = self._data[info.offset: info.offset + info.rows * info.row_bytes]
+        raw = np.asarray(table).reshape(info.rows, info.row_bytes)[
+            row0:row1, block0 * width: block1 * width]
+        self.bytes_read += raw.size
+        values = dequantize(raw, info.encoding)
+        return values[:, col0 - block0 * per_block: col1 - block0 * per_block]
+
+    def metadata(self) -> dict[str, Any]:
+        """Every GGUF metadata key → its decoded value."""
+        return self._fields
+
+    def tokenizer(self) -> Tokenizer:
+        from mpexec.models.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf_fields(self.metadata(), source=self.path, config=self.config)
+
+    def close(self) -> None:
+        self._data = None  # the memory map goes with the last reference
+
+
+def _unpermute(values: np.ndarray, head: int) -> np.ndarray:
+    """File order (pairs interleaved) → Hugging Face order (two halves), per head."""
+    rows, columns = values.shape
+    return (values.reshape(rows // head, head // 2, 2, columns)
+            .swapaxes(1, 2).reshape(rows, columns))

@@ -1,0 +1,148 @@
+"""Tokenizer: the same ids, text and chat prompts as transformers gives."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from mpexec.models.loader import open_checkpoint
+from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+from mpexec.models.tokenizer import IncrementalDecoder, Tokenizer
+
+FRAGMENTS = [
+    "Hello", " world", "the quick brown fox", "12345", " 2024-01-01", "3.14159", "x=42;",
+    "héllo", "naïve café", "日本語のテキスト", "中文", "😀🎉", "👩‍👩‍👧", "e\u0301", "Ωμέγα",
+    "   ", "\t\t", "\n", "\n\n\n", "\r\n", "\u00a0", "  trailing  ", "it's", " we'll", "I'M",
+    "don't", "!!!", "...", "?!", "def f(x):\n    return x**2", "<|im_start|>", "<|im_end|>",
+    "<s>", "</s>", "<|endoftext|>", "user", "assistant", "a" * 40, "ÿ", "\x00", "~`^",
+    "https://example.com/a?b=c", "snake_case_name", "CamelCaseName", "1,000,000", "-5",
+]
+
+
+def sample_strings(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    strings = [*FRAGMENTS, "", " ", "  ", "a", " a", "a "]
+    while len(strings) < count:
+        strings.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 6))))
+    return strings
+
+
+MESSAGES = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! 😀"},
+     {"role": "user", "content": "日本語で話して\nplease"}],
+]
+
+
+def check_against(mine: Tokenizer, oracle, strings: list[str]) -> None:  # type: ignore[no-untyped-def]
+    for text in strings:
+        ids = mine.encode(text)
+        assert ids == oracle.encode(text), repr(text)
+        assert mine.decode(ids) == oracle.decode(ids, skip_special_tokens=True), repr(text)
+        assert (mine.decode(ids, skip_special_tokens=False)
+                == oracle.decode(ids, skip_special_tokens=False)), repr(text)
+    for messages in MESSAGES:
+        for generation in (True, False):
+            text = oracle.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=generation)
+            assert mine.chat_prompt(messages, add_generation_prompt=generation) == text
+            ids = oracle.apply_chat_template(messages, tokenize=True,
+                                             add_generation_prompt=generation)
+            ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+            assert mine.apply_chat_template(messages, add_generation_prompt=generation) == ids
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_hf_directory_matches_transformers(tmp_path: Path, add_bos: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    directory = write_tiny_checkpoint(tmp_path / "t", add_bos_token=add_bos, num_hidden_layers=1)
+    mine = open_checkpoint(directory).tokenizer()
+    oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert (mine.encode("hi")[:1] == [mine.bos_token_id]) is add_bos
+    check_against(mine, oracle, sample_strings(300))
+    assert mine.eos_token_ids == (1, 3)
+    assert mine.vocab_size == len(oracle)
+
+
+def test_gguf_tokenizer_equals_the_directory_it_came_from(tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    directory = write_tiny_checkpoint(tmp_path / "t", hidden_size=288, intermediate_size=224,
+                                      num_hidden_layers=1)
+    from_dir = open_checkpoint(directory).tokenizer()
+    from_gguf = open_checkpoint(write_tiny_gguf(tmp_path / "t.gguf", directory)).tokenizer()
+    for text in sample_strings(300, seed=1):
+        assert from_gguf.encode(text) == from_dir.encode(text), repr(text)
+    for messages in MESSAGES:
+        assert from_gguf.apply_chat_template(messages) == from_dir.apply_chat_template(messages)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smollm2_matches_transformers(smollm2_gguf: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    with open_checkpoint(smollm2_gguf) as ckpt:
+        mine = ckpt.tokenizer()
+    oracle = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
+                                                        gguf_file=smollm2_gguf.name)
+    check_against(mine, oracle, sample_strings(400, seed=2))
+    assert mine.bos_token_id == 1 and mine.eos_token_ids == (2,)
+    assert mine.encode("Hello")[0] != mine.bos_token_id  # SmolLM2 adds no BOS
+    assert mine.vocab_size == 49152
+    prompt = mine.chat_prompt([{"role": "user", "content": "Hi"}])
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "t", num_hidden_layers=1)
+    return open_checkpoint(directory).tokenizer()
+
+
+@pytest.mark.parametrize("text", ["héllo wörld 日本語 😀🎉 👩‍👩‍👧 done", "plain ascii text",
+                                  "<|im_end|>after special", "\n\n  spaced\t out  "])
+def test_incremental_decoder_streams_whole_characters(tiny_tokenizer: Tokenizer,
+                                                      text: str) -> None:
+    ids = tiny_tokenizer.encode(text)
+    decoder = IncrementalDecoder(tiny_tokenizer)
+    pieces = [decoder.push(i) for i in ids]
+    pieces.append(decoder.flush())
+    assert "".join(pieces) == tiny_tokenizer.decode(ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+    if "😀" in text:  # a 4-byte character is several byte tokens: held, then emitted whole
+        assert "" in pieces
+
+
+def test_incremental_decoder_flushes_an_unfinished_character(tiny_tokenizer: Tokenizer) -> None:
+    ids = tiny_tokenizer.encode("ok 😀")
+    decoder = IncrementalDecoder(tiny_tokenizer)
+    text = decoder.extend(ids[:-1])
+    assert text == "ok "
+    assert decoder.flush() == "\ufffd"
+
+
+def test_chat_template_is_sandboxed(tiny_tokenizer: Tokenizer) -> None:
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    unsafe = Tokenizer(tiny_tokenizer.backend, bos_token_id=0, eos_token_ids=(1,),
+                       chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                       special_tokens={})
+    with pytest.raises(SecurityError):
+        unsafe.chat_prompt([])
+    refusing = Tokenizer(tiny_tokenizer.backend, bos_token_id=0, eos_token_ids=(1,),
+                         chat_template="{{ raise_exception('no system role') }}",
+                         special_tokens={})
+    with pytest.raises(jinja2.TemplateError, match="no system role"):
+        refusing.chat_prompt([{"role": "system", "content": "x"}])
+    bare = Tokenizer(tiny_tokenizer.backend, bos_token_id=0, eos_token_ids=(1,),
+                     chat_template=None, special_tokens={}, source="here")
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.chat_prompt([])
