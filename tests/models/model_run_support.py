@@ -57,6 +57,15 @@ class StandInCheckpoint:
         self._files = [safe_open(str(f), "pt") for f in sorted(path.glob("*.safetensors"))]
         self._where = {name: f for f in self._files for name in f.keys()}
 
+    def __enter__(self) -> StandInCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._files = []
+
     def names(self) -> list[str]:
         return list(self._where)
 
