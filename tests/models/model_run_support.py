@@ -55,7 +55,7 @@ class StandInCheckpoint:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", False))
         self._files = [safe_open(str(f), "pt") for f in sorted(path.glob("*.safetensors"))]
-        self._where = {name: f for f in self._files for name in f.keys()}
+        self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
     def __enter__(self) -> StandInCheckpoint:
         return self

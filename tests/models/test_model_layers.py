@@ -17,16 +17,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mpexec.models.kv_cache import KVCache, ScheduledRequest, build_attention_batch  # noqa: E402
-from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
-from mpexec.models.layers.rotary import rope_tables  # noqa: E402
-from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
-from mpexec.models.sharding import rank_share  # noqa: E402
 from tests.models.model_run_support import (  # noqa: E402
     StandInCheckpoint,
     run_ranks,
     save_random_llama,
 )
+
+from mpexec.models.kv_cache import KVCache, ScheduledRequest, build_attention_batch  # noqa: E402
+from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
+from mpexec.models.layers.rotary import rope_tables  # noqa: E402
+from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
+from mpexec.models.sharding import rank_share  # noqa: E402
 
 pytestmark = pytest.mark.torch
 ATOL = 1e-4

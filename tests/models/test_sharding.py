@@ -38,7 +38,7 @@ def test_kv_heads_are_replicated_beyond_their_count() -> None:
 
 
 def test_more_ranks_than_query_heads_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(10\) exceeds num_attention_heads"):
+    with pytest.raises(ValueError, match=r"size \(10\) exceeds num_attention_heads"):
         attention_shards(9, 3, 10)
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         attention_shards(9, 2, 1)
@@ -68,7 +68,7 @@ def test_rank_share_describes_itself() -> None:
                        layers=(0, 15), tp_rank=1, tp_size=2)
     assert share.intermediate == (768, 1536) and share.vocab == (24576, 49152)
     text = share.describe()
-    assert "query heads [6, 9)" in text and "KV heads [2, 3)" in text and "layers [0, 15]" in text
+    assert "query heads [6, 9)" in text and "KV heads [2, 3)" in text and "layers [0, 15)" in text
 
 
 def test_pipeline_layers_even_and_explicit() -> None:

@@ -32,7 +32,10 @@ from mpexec.models.layers.parallel import ParallelGroup
 from mpexec.models.layers.rotary import RotaryEmbedding, rope_type_of
 from mpexec.models.sharding import RankShare
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# ModelConfig names the family ("llama" covers Mistral and SmolLM); the Hugging
+# Face class names are accepted too.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                           "MistralForCausalLM")
 
 
 class CheckpointReader(Protocol):

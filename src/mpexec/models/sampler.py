@@ -101,7 +101,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SampleRequest],
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)
         picked = logits[rows].argmax(dim=-1).tolist()
-        for i, token in zip(greedy, picked):
+        for i, token in zip(greedy, picked, strict=True):
             tokens[i] = token
     vocab = logits.shape[-1]
     generator = torch.Generator(device=logits.device)

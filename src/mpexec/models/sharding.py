@@ -98,9 +98,13 @@ class RankShare:
 
     def describe(self) -> str:
         a = self.attention
-        return (f"TP rank {self.tp_rank}/{self.tp_size}: query heads [{a.q_start}, {a.q_stop}) "
-                f"KV heads [{a.kv_start}, {a.kv_stop}) MLP rows {list(self.intermediate)} "
-                f"vocab rows {list(self.vocab)} layers {list(self.layers)}")
+        def span(r: tuple[int, int]) -> str:
+            return f"[{r[0]}, {r[1]})"
+
+        return (f"TP rank {self.tp_rank}/{self.tp_size}: query heads "
+                f"{span((a.q_start, a.q_stop))}, KV heads {span((a.kv_start, a.kv_stop))}, "
+                f"MLP rows {span(self.intermediate)}, vocab rows {span(self.vocab)}, "
+                f"layers {span(self.layers)}")
 
 
 def rank_share(*, num_heads: int, num_kv_heads: int, intermediate_size: int,

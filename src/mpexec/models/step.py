@@ -110,7 +110,7 @@ class RequestTable:
         return step
 
     def record_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
-        for req_id, token in zip(req_ids, tokens):
+        for req_id, token in zip(req_ids, tokens, strict=True):
             state = self.requests.get(req_id)
             if state is not None:
                 state.token_ids.append(token)

@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,10 +70,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _open_checkpoint(spec: str) -> Any:
-    from mpexec.models.fetch import resolve_model
     from mpexec.models.loader import open_checkpoint
 
-    return open_checkpoint(resolve_model(spec))
+    path = Path(spec)
+    if not path.exists():  # "default", or a missing path resolve_model explains
+        from mpexec.models.fetch import resolve_model
+
+        path = resolve_model(spec)
+    return open_checkpoint(path)
 
 
 @dataclass
@@ -159,6 +164,7 @@ class ModelWorker(WorkerBase):
         distributed.initialize_model_parallel(
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size)
         self.owns_distributed = True
+        distributed.setup_proc_title_and_log_prefix()
         self.tp_group = distributed.get_tp_group()
         self.pp_group = distributed.get_pp_group()
 
@@ -271,7 +277,7 @@ class ModelWorker(WorkerBase):
         per_request: list[list[float] | None] | None = None
         if logprobs is not None:
             per_request = [[lp] if r.params.logprobs else None
-                           for lp, r in zip(logprobs, pending.requests)]
+                           for lp, r in zip(logprobs, pending.requests, strict=True)]
         return ModelRunnerOutput(
             req_ids=list(pending.req_ids), sampled_token_ids=[[t] for t in tokens],
             logprobs=per_request,
