@@ -1,0 +1,95 @@
+"""Grouped-query attention over the paged KV cache, on this rank's heads.
+
+Per layer and step::
+
+    qkv = hidden @ [Wq; Wk; Wv]_local.T        (column-parallel, one matmul)
+    q, k = rotate(q), rotate(k)
+    K[slot_mapping], V[slot_mapping] = k, v    (write the new tokens first)
+    decode rows:  q as [B, kv_heads, group, d] against the gathered [B, kv_heads, L, d]
+                  (a query group shares its KV head, so no KV copy per query head)
+    prefill rows: causal SDPA over the chunk, or over the gathered context
+    out = attn @ Wo_local.T, all-reduced     (row-parallel)
+
+Each rank attends only with its own query heads and the KV heads they use;
+nothing crosses ranks until ``o_proj``'s all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mpexec.models.kv_cache import AttentionBatch
+from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpexec.models.layers.rotary import RotaryEmbedding
+
+
+class Attention:
+    def __init__(self, *, qkv_proj: ColumnParallelLinear, o_proj: RowParallelLinear,
+                 num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding) -> None:
+        self.qkv_proj = qkv_proj
+        self.o_proj = o_proj
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.rotary = rotary
+
+    def __call__(self, hidden: torch.Tensor, batch: AttentionBatch,
+                 rope: tuple[torch.Tensor, torch.Tensor],
+                 cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        cos, sin = rope
+        q = self.rotary.apply(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = self.rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        if not batch.prefills and batch.decode_rows is None:
+            out = self._decode(q, batch, k_cache, v_cache)
+        else:
+            out = torch.empty((tokens, self.q_size), dtype=q.dtype, device=q.device)
+            if batch.decode_slots is not None:
+                rows = batch.decode_rows
+                assert rows is not None
+                out[rows] = self._decode(q[rows], batch, k_cache, v_cache)
+            for span in batch.prefills:
+                rows_q = q[span.start:span.stop]
+                if span.context_slots is None:
+                    keys, values = k[span.start:span.stop], v[span.start:span.stop]
+                else:
+                    keys, values = k_cache[span.context_slots], v_cache[span.context_slots]
+                out[span.start:span.stop] = self._prefill(rows_q, keys, values, span.mask)
+        return self.o_proj(out)
+
+    def _decode(self, q: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        assert batch.decode_slots is not None
+        count = q.shape[0]
+        # [B, L, kv, d] -> [B, kv, L, d]; the group of query heads of one KV
+        # head plays the part of the query length.
+        keys = k_cache[batch.decode_slots].transpose(1, 2)
+        values = v_cache[batch.decode_slots].transpose(1, 2)
+        queries = q.view(count, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
+        return out.reshape(count, self.q_size)
+
+    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        count = q.shape[0]
+        queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        if mask is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                 enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                                 enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(count, self.q_size)

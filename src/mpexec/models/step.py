@@ -1,0 +1,116 @@
+"""What a worker remembers about requests, and how one step's inputs are laid out.
+
+The scheduler tells every worker the same story (:class:`SchedulerOutput`):
+new requests arrive with their prompt, sampling parameters and block table;
+running ones get more blocks and one token per decode step; finished ones
+are forgotten first.  :class:`RequestTable` replays it, and
+:meth:`RequestTable.prepare` turns one step into flat token ids and
+positions, the KV layout (:class:`~mpexec.models.kv_cache.ScheduledRequest`)
+and the rows that sample.
+
+``PLACEHOLDER_TOKEN_ID`` stands for the token this worker sampled in the
+step before; every rank of the last pipeline stage samples, so it appends
+the token to the request's history in ``sample_tokens`` and finds it here.
+Other stages never see a placeholder (the engine does not send one with
+PP > 1).  ``new_block_ids`` is applied to requests already known: a request
+that is new in this step carries its whole block table in ``block_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mpexec.models.kv_cache import ScheduledRequest
+from mpexec.models.sampler import SampleRequest
+from mpexec.outputs import PLACEHOLDER_TOKEN_ID, SamplingParams, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+    block_ids: list[int]
+    # every token known so far: prompt, then what was scheduled or sampled
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PreparedStep:
+    token_ids: list[int]
+    positions: list[int]
+    layout: list[ScheduledRequest]
+    sample_rows: list[int]  # row of the last token of each request that samples
+    sample_req_ids: list[str]
+    sample_requests: list[SampleRequest]
+
+
+class RequestTable:
+    def __init__(self, default_seed: int) -> None:
+        self.default_seed = default_seed
+        self.requests: dict[str, RequestState] = {}
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        new_ids = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id, params=params,
+                seed=self.default_seed if params.seed is None else params.seed,
+                prompt_len=len(new.prompt_token_ids), block_ids=list(new.block_ids),
+                token_ids=list(new.prompt_token_ids))
+            new_ids.add(new.req_id)
+        for req_id, blocks in scheduler_output.new_block_ids.items():
+            if req_id not in new_ids:
+                self._get(req_id).block_ids.extend(blocks)
+
+    def _get(self, req_id: str) -> RequestState:
+        try:
+            return self.requests[req_id]
+        except KeyError:
+            raise ValueError(
+                f"request {req_id!r} is scheduled but this worker never received its "
+                "NewRequestData (or it was finished)") from None
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        step = PreparedStep([], [], [], [], [], [])
+        for req_id, tokens in scheduler_output.scheduled_tokens.items():
+            if not tokens:
+                continue
+            state = self._get(req_id)
+            start = scheduler_output.num_computed_tokens.get(req_id, 0)
+            if start > len(state.token_ids):
+                raise ValueError(
+                    f"request {req_id!r}: num_computed_tokens {start} skips past the "
+                    f"{len(state.token_ids)} tokens this worker knows")
+            for offset, token in enumerate(tokens):
+                position = start + offset
+                if position < len(state.token_ids):
+                    if token == PLACEHOLDER_TOKEN_ID:
+                        token = state.token_ids[position]
+                    else:  # the scheduler's word wins over what was sampled
+                        state.token_ids[position] = token
+                elif token == PLACEHOLDER_TOKEN_ID:
+                    raise ValueError(
+                        f"request {req_id!r}: a placeholder at position {position}, but this "
+                        "worker has not sampled that token")
+                else:
+                    state.token_ids.append(token)
+                step.token_ids.append(token)
+                step.positions.append(position)
+            step.layout.append(ScheduledRequest(state.block_ids, start, len(tokens)))
+            end = start + len(tokens)
+            if end >= state.prompt_len:
+                step.sample_rows.append(len(step.token_ids) - 1)
+                step.sample_req_ids.append(req_id)
+                step.sample_requests.append(SampleRequest(state.params, state.seed, end))
+        return step
+
+    def record_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
+        for req_id, token in zip(req_ids, tokens, strict=True):
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.append(token)

@@ -1,0 +1,356 @@
+"""ModelWorker: one rank of a tensor/pipeline-parallel Llama, driven by the executor.
+
+The executor broadcasts every call to every rank, in order::
+
+    init_device ─ load_model ─ determine_available_memory / kv_cache_block_bytes
+      ─ initialize_cache(num_blocks) ─ { execute_model(step) ─ sample_tokens(grammar) }*
+      ─ shutdown
+
+``execute_model`` replays the step into the request table, lays the tokens
+out, and runs this rank's stage:
+
+- first stage: token ids → embedding; other stages: ``recv_tensor_dict``
+  of ``{hidden, residual}`` from the previous stage (PP group);
+- not the last stage: ``send_tensor_dict`` to the next stage and done;
+- last stage: logits of the rows that sample, queued for ``sample_tokens``.
+
+Because a stage blocks only on its own input, stage 0 can run step N+1
+while stage 1 still runs step N: with PP the executor's
+``max_concurrent_batches`` micro-batches (disjoint requests) are in flight,
+and the last stage's queue of pending logits is consumed in call order.
+Every rank of the last stage samples (all hold the same gathered logits,
+so all pick the same tokens and can resolve ``PLACEHOLDER_TOKEN_ID``); the
+output rank (TP rank 0 of the last stage) returns the ModelRunnerOutput.
+
+With world size 1 the worker uses one-rank stand-in groups and never
+initialises ``torch.distributed`` (so in-process executors can coexist).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpexec.executor.context import WorkerContext
+from mpexec.executor.worker_base import WorkerBase
+from mpexec.models import ngram
+from mpexec.models.kv_cache import (
+    KVCache,
+    ScheduledRequest,
+    build_attention_batch,
+    kv_block_bytes,
+    memory_budget,
+)
+from mpexec.models.layers.parallel import SingleRankGroup
+from mpexec.models.llama import LlamaStage, load_stage
+from mpexec.models.sampler import SampleRequest, sample, unpack_bitmask
+from mpexec.models.sharding import pipeline_layers, rank_share
+from mpexec.models.step import RequestTable
+from mpexec.outputs import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}; got {name!r}") from None
+
+
+def _open_checkpoint(spec: str) -> Any:
+    from mpexec.models.loader import open_checkpoint
+
+    path = Path(spec)
+    if not path.exists():  # "default", or a missing path resolve_model explains
+        from mpexec.models.fetch import resolve_model
+
+        path = resolve_model(spec)
+    return open_checkpoint(path)
+
+
+@dataclass
+class PendingStep:
+    """A step whose logits wait for ``sample_tokens`` (last stage only)."""
+
+    req_ids: list[str]
+    requests: list[SampleRequest]
+    logits: torch.Tensor | None
+    execute_s: float
+
+
+class ModelWorker(WorkerBase):
+    def __init__(self, context: WorkerContext, *, model: str = "default", dtype: str = "auto",
+                 block_size: int = 16, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 2048, kv_cache_memory_bytes: int | None = None,
+                 seed: int = 0, pp_layer_partition: list[int] | None = None,
+                 num_threads: int | None = None) -> None:
+        super().__init__(context)
+        for name, value in (("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        self.model_spec = model
+        self.dtype_name = dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.seed = seed
+        self.pp_layer_partition = pp_layer_partition
+        self.num_threads = num_threads
+        parallel = context.config.parallel
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        ranks = context.ranks
+        self.tp_rank = ranks.tp
+        self.pp_rank = ranks.pp
+        self.device = torch.device(context.device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tp_group: Any = None
+        self.pp_group: Any = None
+        self.owns_distributed = False
+        self.model_config: Any = None
+        self.stage: LlamaStage | None = None
+        self.cache: KVCache | None = None
+        self.requests = RequestTable(seed)
+        self.pending: deque[PendingStep] = deque()
+        self.last_sampled_req_ids: list[str] = []
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.is_last_stage and self.tp_rank == 0
+
+    # -- start-up -----------------------------------------------------------------
+
+    def init_device(self) -> None:
+        parallel = self.config.parallel
+        unsupported = {name: getattr(parallel, name) for name in (
+            "prefill_context_parallel_size", "decode_context_parallel_size",
+            "data_parallel_size") if getattr(parallel, name) != 1}
+        if unsupported or parallel.enable_expert_parallel:
+            raise ValueError(f"ModelWorker supports TP and PP only; got {unsupported or 'EP'}")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        if self.context.world_size == 1:
+            self.tp_group = self.pp_group = SingleRankGroup()
+            return
+        from mpexec import distributed
+
+        distributed.init_distributed_environment(
+            world_size=self.context.world_size, rank=self.rank, local_rank=self.local_rank,
+            distributed_init_method=self.distributed_init_method, backend=self.context.backend)
+        distributed.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size)
+        self.owns_distributed = True
+        distributed.setup_proc_title_and_log_prefix()
+        self.tp_group = distributed.get_tp_group()
+        self.pp_group = distributed.get_pp_group()
+
+    def load_model(self) -> None:
+        with _open_checkpoint(self.model_spec) as checkpoint:
+            config = checkpoint.config
+            self.model_config = config
+            layers = pipeline_layers(config.num_hidden_layers, self.pp_size,
+                                     self.pp_layer_partition)[self.pp_rank]
+            share = rank_share(num_heads=config.num_attention_heads,
+                               num_kv_heads=config.num_key_value_heads,
+                               intermediate_size=config.intermediate_size,
+                               vocab_size=config.vocab_size, layers=layers,
+                               tp_rank=self.tp_rank, tp_size=self.tp_size)
+            max_len = self.max_model_len or config.max_position_embeddings
+            self.max_model_len = max_len
+            self.stage = load_stage(checkpoint, config, share, is_first=self.is_first_stage,
+                                    is_last=self.is_last_stage, tp_group=self.tp_group,
+                                    dtype=self.dtype, device=self.device, max_positions=max_len)
+        logger.info("rank %d (PP stage %d/%d) holds %s; %s on %s", self.rank, self.pp_rank,
+                    self.pp_size, share.describe(), self.dtype, self.device)
+
+    def _require_stage(self) -> LlamaStage:
+        if self.stage is None:
+            raise RuntimeError("load_model() has not run on this worker")
+        return self.stage
+
+    def kv_cache_block_bytes(self) -> int:
+        stage = self._require_stage()
+        return kv_block_bytes(num_layers=len(stage.layers), block_size=self.block_size,
+                              num_kv_heads=stage.num_kv_heads, head_dim=stage.head_dim,
+                              dtype=self.dtype)
+
+    def determine_available_memory(self) -> int:
+        return memory_budget(self.device, self.kv_cache_memory_bytes,
+                             self.context.local_world_size)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        stage = self._require_stage()
+        self.cache = KVCache(num_layers=len(stage.layers), num_blocks=num_blocks,
+                             block_size=self.block_size, num_kv_heads=stage.num_kv_heads,
+                             head_dim=stage.head_dim, dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%d MiB)", num_blocks, self.block_size,
+                    num_blocks * self.kv_cache_block_bytes() >> 20)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def _run_stage(self, token_ids: list[int], positions: list[int],
+                   layout: list[ScheduledRequest], sample_rows: list[int],
+                   cache: KVCache) -> torch.Tensor | None:
+        """This stage's forward; the logits of ``sample_rows`` on the last stage."""
+        stage = self._require_stage()
+        device = self.device
+        batch = build_attention_batch(layout, self.block_size, device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        if self.is_first_stage:
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+            hidden, residual = stage.forward(positions=position_tensor, batch=batch,
+                                             cache=cache, token_ids=ids)
+        else:
+            received = self.pp_group.recv_tensor_dict(src=self.pp_group.rank_in_group - 1)
+            hidden, residual = stage.forward(positions=position_tensor, batch=batch,
+                                             cache=cache, hidden=received["hidden"],
+                                             residual=received["residual"])
+        if not self.is_last_stage:
+            self.pp_group.send_tensor_dict({"hidden": hidden, "residual": residual},
+                                           dst=self.pp_group.rank_in_group + 1)
+            return None
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
+        return stage.compute_logits(hidden, residual, rows)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        started = time.perf_counter()
+        if self.cache is None:
+            raise RuntimeError("initialize_cache() has not run on this worker")
+        self.requests.update(scheduler_output)
+        step = self.requests.prepare(scheduler_output)
+        if len(step.token_ids) > self.max_num_batched_tokens:
+            raise ValueError(f"the step schedules {len(step.token_ids)} tokens; "
+                             f"max_num_batched_tokens is {self.max_num_batched_tokens}")
+        if step.positions and max(step.positions) >= (self.max_model_len or 0):
+            raise ValueError(f"position {max(step.positions)} is beyond max_model_len "
+                             f"{self.max_model_len}")
+        logits = None
+        if step.token_ids:
+            logits = self._run_stage(step.token_ids, step.positions, step.layout,
+                                     step.sample_rows, self.cache)
+        if self.is_last_stage:
+            self.pending.append(PendingStep(step.sample_req_ids, step.sample_requests, logits,
+                                            time.perf_counter() - started))
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        if not self.is_last_stage:
+            return None
+        started = time.perf_counter()
+        if not self.pending:
+            raise RuntimeError("sample_tokens() without a step from execute_model()")
+        pending = self.pending.popleft()
+        tokens: list[int] = []
+        logprobs: list[float] | None = None
+        if pending.logits is not None and pending.req_ids:
+            allowed = self._grammar_mask(grammar_output, pending)
+            tokens, logprobs = sample(pending.logits, pending.requests, allowed)
+        self.requests.record_sampled(pending.req_ids, tokens)
+        self.last_sampled_req_ids = pending.req_ids
+        if not self.is_output_rank:
+            return None
+        per_request: list[list[float] | None] | None = None
+        if logprobs is not None:
+            per_request = [[lp] if r.params.logprobs else None
+                           for lp, r in zip(logprobs, pending.requests, strict=True)]
+        return ModelRunnerOutput(
+            req_ids=list(pending.req_ids), sampled_token_ids=[[t] for t in tokens],
+            logprobs=per_request,
+            extra={"worker_execute_s": pending.execute_s,
+                   "worker_sample_s": time.perf_counter() - started})
+
+    def _grammar_mask(self, grammar_output: GrammarOutput | None,
+                      pending: PendingStep) -> torch.Tensor | None:
+        if grammar_output is None or not grammar_output.structured_output_request_ids:
+            return None
+        assert pending.logits is not None
+        vocab = pending.logits.shape[-1]
+        rows = unpack_bitmask(grammar_output.grammar_bitmask, vocab, pending.logits.device)
+        allowed = torch.ones_like(pending.logits, dtype=torch.bool)
+        index = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        for row, req_id in enumerate(grammar_output.structured_output_request_ids):
+            if req_id in index:
+                allowed[index[req_id]] = rows[row]
+        return allowed
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """n-gram prompt-lookup proposals for the requests that just sampled."""
+        if not self.is_output_rank:
+            return None
+        drafts = DraftTokenIds()
+        for req_id in self.last_sampled_req_ids:
+            state = self.requests.requests.get(req_id)
+            if state is not None:
+                drafts.req_ids.append(req_id)
+                drafts.draft_token_ids.append(ngram.propose(state.token_ids))
+        return drafts
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A real one-token forward through every stage, written to the scratch block."""
+        stage = self._require_stage()
+        cache = self.cache or KVCache(num_layers=len(stage.layers), num_blocks=1,
+                                      block_size=self.block_size,
+                                      num_kv_heads=stage.num_kv_heads,
+                                      head_dim=stage.head_dim, dtype=self.dtype,
+                                      device=self.device)
+        layout = [ScheduledRequest([cache.scratch_block], 0, 1)]
+        self._run_stage([0], [0], layout, [0], cache)
+
+    # -- health and the end -----------------------------------------------------------
+
+    def check_health(self) -> None:
+        """The device computes, and the TP group completes a tiny all-reduce in time."""
+        probe = torch.ones(1, device=self.device)
+        if float((probe + probe).sum()) != 2.0:
+            raise RuntimeError(f"device {self.device} computed 1 + 1 != 2")
+        if self.tp_group is None or self.tp_group.world_size == 1:
+            return
+        result: list[float] = []
+        thread = threading.Thread(
+            target=lambda: result.append(float(self.tp_group.all_reduce(probe.clone()).sum())),
+            name="mpexec-health", daemon=True)
+        thread.start()
+        deadline = self.config.check_health_timeout_s / 2
+        thread.join(deadline)
+        if thread.is_alive() or not result:
+            raise TimeoutError(f"TP all-reduce did not complete within {deadline:.1f} s")
+        if result[0] != self.tp_group.world_size:
+            raise RuntimeError(f"TP all-reduce of ones gave {result[0]}, expected "
+                               f"{self.tp_group.world_size}")
+
+    def shutdown(self) -> None:
+        self.cache = None
+        self.stage = None
+        self.pending.clear()
+        if self.owns_distributed:
+            from mpexec import distributed
+
+            self.owns_distributed = False
+            distributed.destroy_model_parallel()
+            distributed.destroy_distributed_environment()
