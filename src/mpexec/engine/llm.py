@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ MODEL_WORKER = "mpexec.models.worker:ModelWorker"
 Message = dict[str, str]
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
 PromptType = str | dict[str, Any]
+ProgressCallback = Callable[[int, int, int], None]
 
 
 class TokenizerLike(Protocol):
@@ -144,11 +145,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Generate for every prompt; one finished output per prompt, in order."""
+                 progress: ProgressCallback | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; one finished output per prompt, in order.
+
+        ``progress(finished, total, generated_tokens)`` is called as tokens arrive.
+        """
         requests = self._add(self._prompts(prompts), sampling_params)
+        total = len(requests)
         for _ in self._run(requests):
-            pass
+            if progress is not None:
+                progress(sum(r.is_finished for r, _ in requests), total,
+                         sum(len(r.output_token_ids) for r, _ in requests))
         return [self._output(r, text) for r, text in requests]
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
@@ -163,9 +170,9 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
+             progress: ProgressCallback | None = None) -> list[RequestOutput]:
         """Generate a reply to one conversation, or to each of several."""
-        return self.generate(self.chat_prompts(messages), sampling_params)
+        return self.generate(self.chat_prompts(messages), sampling_params, progress)
 
     def chat_prompts(self, messages: list[Message] | Sequence[list[Message]],
                      ) -> list[dict[str, Any]]:
