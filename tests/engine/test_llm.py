@@ -109,3 +109,25 @@ def test_worker_death_reaches_generate_and_the_llm_is_dead() -> None:
 def test_llm_is_a_lazy_public_name() -> None:
     assert mpexec.LLM is LLM
     assert mpexec.SamplingParams is SamplingParams
+
+
+def test_a_stream_left_early_aborts_its_requests() -> None:
+    with fake_llm() as llm:
+        stream = llm.generate_stream(["abc", "def"], SamplingParams(max_tokens=30,
+                                                                    ignore_eos=True))
+        first = next(stream)
+        assert not first.finished
+        stream.close()
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.num_blocks
+        assert llm.generate("next", SamplingParams(max_tokens=3))[0].finished
+
+
+def test_spawned_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPEXEC_WORKER_MULTIPROC_METHOD", "spawn")
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with fake_llm("mp", tensor_parallel_size=2, async_scheduling=True) as llm:
+        spawned = llm.generate(["spawned"], params)[0]
+    with fake_llm() as llm:
+        local = llm.generate(["spawned"], params)[0]
+    assert spawned.token_ids == local.token_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mpexec.config import ExecutorConfig, ParallelConfig
 from mpexec.engine.block_manager import BlockManager, blocks_for
@@ -298,3 +299,33 @@ def test_missing_token_for_a_sampling_request_is_an_error() -> None:
     assert out is not None
     with pytest.raises(RuntimeError, match="no token for r"):
         scheduler.update_from_output(out, ModelRunnerOutput())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 30), min_size=1, max_size=7),
+    max_tokens=st.lists(st.integers(1, 20), min_size=7, max_size=7),
+    budget=st.integers(1, 40),
+    extra_blocks=st.integers(0, 20),
+    max_num_seqs=st.integers(1, 5),
+    depth=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+)
+def test_any_mix_gives_the_reference_tokens(prompt_lens: list[int], max_tokens: list[int],
+                                            budget: int, extra_blocks: int,
+                                            max_num_seqs: int, depth: int, pp: int) -> None:
+    max_model_len = 40
+    num_blocks = blocks_for(max_model_len, BLOCK) + extra_blocks  # one request always fits
+    scheduler = make_scheduler(num_blocks=num_blocks, max_model_len=max_model_len,
+                               budget=budget, max_num_seqs=max_num_seqs, eos=(5,))
+    reqs = [request(f"r{i}", n, max_tokens=max_tokens[i], seed=i, temperature=1.0)
+            for i, n in enumerate(prompt_lens)]
+    for r in reqs:
+        scheduler.add_request(r)
+    drive(scheduler, depth=depth if pp == 1 else pp, pp=pp)
+    for r in reqs:
+        want = reference_tokens(r.prompt_token_ids, r.sampling_params, eos_token_ids=(5,),
+                                max_model_len=max_model_len)
+        assert (r.output_token_ids, r.finish_reason.value) == want
+    assert scheduler.blocks.num_free_blocks == num_blocks
+    assert not scheduler.running and not scheduler.waiting

@@ -164,9 +164,16 @@ class LLM:
         """Partial outputs as tokens arrive; each request's last one has ``finished``."""
         requests = self._add(self._prompts(prompts), sampling_params)
         texts = {r.req_id: text for r, text in requests}
-        for changed in self._run(requests):
-            for request in changed:
-                yield self._output(request, texts[request.req_id])
+        try:
+            for changed in self._run(requests):
+                for request in changed:
+                    yield self._output(request, texts[request.req_id])
+        finally:
+            # A caller that stops reading early must not leave its requests running.
+            if self._engine is not None and not self._engine.is_dead:
+                for request, _ in requests:
+                    if not request.is_finished:
+                        self._engine.abort_request(request.req_id)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
