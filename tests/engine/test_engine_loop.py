@@ -11,7 +11,7 @@ import pytest
 from mpexec.engine import Engine, EngineDeadError, FinishReason, Request
 from mpexec.errors import WorkerDiedError, WorkerError
 from mpexec.outputs import SamplingParams
-from tests.engine.conftest import EOS
+from tests.engine.conftest import EOS, fake_limits
 from tests.engine.fake_worker import reference_tokens
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -91,6 +91,9 @@ def test_kv_cache_is_sized_from_the_workers(engine_factory: Callable[..., Engine
     assert engine.limits.max_model_len == 128
     small = engine_factory("uni", kv_bytes=10 * 1024)
     assert small.num_blocks == 10 and small.limits.max_model_len == 40  # capped to the cache
+    # never more blocks than max_num_seqs full-length requests could use
+    big = engine_factory("uni", kv_bytes=10**9, limits=fake_limits(max_num_seqs=2))
+    assert big.num_blocks == 2 * 128 // 4
 
 
 def test_preemption_through_the_engine_gives_the_same_tokens(

@@ -20,9 +20,10 @@ is scheduled while the first runs and its decode inputs are
 and the micro-batches hold disjoint requests, so no placeholder is sent.
 
 Start-up sizes the KV cache: ``num_blocks`` is the minimum over the workers
-of ``determine_available_memory() // kv_cache_block_bytes()``, then every
-worker gets ``initialize_cache(num_blocks)``; ``max_model_len`` is capped to
-what those blocks hold.
+of ``determine_available_memory() // kv_cache_block_bytes()`` (and no more
+than ``max_num_seqs`` requests of ``max_model_len`` tokens can use), then
+every worker gets ``initialize_cache(num_blocks)``; ``max_model_len`` is
+capped to what those blocks hold.
 
 Failure: any error out of the executor (``WorkerDiedError`` when a worker
 died, ``WorkerError`` when one raised, ``TimeoutError``) marks the engine
@@ -45,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from mpexec.config import ExecutorConfig
+from mpexec.engine.block_manager import blocks_for
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
 from mpexec.errors import MpexecError
@@ -105,7 +107,7 @@ class Engine:
         self._dead = threading.Event()
         self._in_flight: deque[_InFlight] = deque()
         self._next_id = 0
-        self.num_blocks = self._initialize_kv_cache()
+        self.num_blocks = self._initialize_kv_cache(limits)
         capacity = self.num_blocks * limits.block_size
         if capacity < limits.max_model_len:
             logger.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d",
@@ -126,11 +128,14 @@ class Engine:
             executor.shutdown()
             raise
 
-    def _initialize_kv_cache(self) -> int:
+    def _initialize_kv_cache(self, limits: SchedulerLimits) -> int:
         available = self.executor.collective_rpc("determine_available_memory")
         per_block = self.executor.collective_rpc("kv_cache_block_bytes")
         num_blocks = min(int(a) // max(1, int(b)) for a, b in zip(available, per_block,
                                                                     strict=True))
+        # More blocks than max_num_seqs full-length requests can use is memory wasted.
+        useful = limits.max_num_seqs * blocks_for(limits.max_model_len, limits.block_size)
+        num_blocks = min(num_blocks, useful)
         if num_blocks < 1:
             raise ValueError(
                 f"no room for a KV cache: the workers offer {min(available)} bytes and "
