@@ -1,4 +1,4 @@
-"""Tests of the ``mpexec`` command: help, version, doctor."""
+"""Tests of the ``mpexec`` command: help, version, doctor, the executor tour, user errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import mpexec
-from mpexec import cli, doctor
+from mpexec import cli
+from mpexec.cli import doctor
 from tests.python_child import run_python
 
 # Several tests start processes: each must leave none behind (see conftest).
@@ -28,6 +29,7 @@ def test_help_lists_subcommands() -> None:
     assert result.returncode == 0, result.stderr
     assert "doctor" in result.stdout
     assert "demo" in result.stdout
+    assert "generate" in result.stdout and "bench" in result.stdout
 
 
 def test_version() -> None:
@@ -54,8 +56,8 @@ def test_help_does_not_import_heavy_modules() -> None:
         "import sys\n"
         "from mpexec.cli import build_parser\n"
         "build_parser().format_help()\n"
-        "heavy = [m for m in ('torch', 'numpy', 'mpexec.executor', 'mpexec.doctor') "
-        "if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'numpy', 'mpexec.executor', 'mpexec.engine',\n"
+        "                     'mpexec.cli.doctor') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     result = run_python("-c", code, timeout=60)
@@ -113,8 +115,9 @@ def test_doctor_missing_dev_shm_is_only_a_warning(tmp_path: Path) -> None:
     assert "memfd" in check.detail
 
 
-def test_demo_runs_end_to_end() -> None:
-    result = run_mpexec("demo", "--workers", "2", "--calls", "50", "--payload-mib", "1")
+def test_executor_tour_runs_end_to_end() -> None:
+    result = run_mpexec("demo", "--executor", "--workers", "2", "--calls", "50",
+                        "--payload-mib", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "FAILED" not in out
@@ -130,3 +133,75 @@ def test_demo_runs_end_to_end() -> None:
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert result.returncode == code, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["generate", "--model", "/no/such/model", "--prompt", "hi"], ["no such model"]),
+    (["generate", "--tp", "64", "--pp", "2", "--model", ".", "--prompt", "hi"],
+     ["128 CPU workers", "usable CPUs"]),
+    (["generate", "--prompt", "hi", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["generate"], ["--prompt"]),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature must be >= 0"]),
+    (["generate", "--prompt", "hi", "--top-p", "2"], ["--top-p must be in (0, 1]"]),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], ["--max-tokens must be"]),
+    (["generate", "--prompt", "hi", "--tp", "2", "--backend", "uni"], ["--backend uni"]),
+    (["demo", "--tp", "x"], ["expected an integer"]),
+    (["bench", "--suite", "nope"], ["invalid choice"]),
+])
+def test_user_mistakes_are_one_line_and_exit_2(args: list[str], needles: list[str]) -> None:
+    _one_line_error(run_mpexec(*args), 2, *needles)
+
+
+def test_bench_parses_harness_tables_and_plots(tmp_path: Path) -> None:
+    from mpexec.cli import bench
+
+    sys_path = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    import sys
+
+    sys.path.insert(0, sys_path)
+    try:
+        from harness import render
+    finally:
+        sys.path.remove(sys_path)
+    text = render("calls against workers", ["workers", "median", "p99"],
+                  [["1", "12.5 us", "30 us"], ["2 (pinned)", "20.0 us", "41 us"]])
+    text += "\n\n" + render("second", ["mode", "tok/s"], [["sync", "100"], ["async", "130"]])
+    tables = bench.parse_tables("noise\n" + text + "\n")
+    assert [t.title for t in tables] == ["calls against workers", "second"]
+    assert tables[0].headers == ["workers", "median", "p99"]
+    assert tables[0].rows[1] == ["2 (pinned)", "20.0 us", "41 us"]
+    pytest.importorskip("matplotlib")
+    image = tmp_path / "bench.png"
+    source = tmp_path / "tables.txt"
+    source.write_text(text)
+    # in a child: matplotlib keeps its font files open for the life of the process
+    code = ("import sys\nfrom mpexec.cli import bench\n"
+            "print(bench.plot(bench.parse_tables(open(sys.argv[1]).read()), sys.argv[2]))\n")
+    result = run_python("-c", code, str(source), str(image), timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+    assert image.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_without_scripts_says_so(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from mpexec.cli import bench
+
+    monkeypatch.setattr(bench, "benchmarks_dir", lambda: None)
+    assert cli.main(["bench", "--suite", "mq"]) == 2
+    assert "not here: they live in the source tree" in capsys.readouterr().err
+
+
+def test_doctor_checks_torch_threads_and_model_cache(tmp_path: Path) -> None:
+    check = doctor.check_model_cache(str(tmp_path / "cache"))
+    assert check.status == "OK" and "free on its disk" in check.detail
+    assert doctor.check_torch_threads().status in ("OK", "WARN")

@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "ParallelConfig": "mpexec.config",
     "SchedulerConfig": "mpexec.config",
     "Executor": "mpexec.executor",
+    "LLM": "mpexec.engine.llm",
+    "SamplingParams": "mpexec.outputs",
     "MessageQueue": "mpexec.ipc",
     "Handle": "mpexec.ipc",
     "MpexecError": "mpexec.errors",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
         ParallelConfig as ParallelConfig,
         SchedulerConfig as SchedulerConfig,
     )
+    from mpexec.engine.llm import LLM as LLM
     from mpexec.errors import (
         MpexecError as MpexecError,
         PeerDiedError as PeerDiedError,
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     )
     from mpexec.executor import Executor as Executor
     from mpexec.ipc import Handle as Handle, MessageQueue as MessageQueue
+    from mpexec.outputs import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str) -> Any:

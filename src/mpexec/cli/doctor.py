@@ -255,6 +255,53 @@ def check_torch() -> Check:
     return Check("torch", "OK", f"torch {version}, no CUDA device visible (CPU workers){extra}")
 
 
+def check_torch_threads() -> Check:
+    name = "torch threads"
+    if importlib.util.find_spec("torch") is None:
+        return Check(name, "OK", "torch not installed: nothing to tune")
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    omp = os.environ.get("OMP_NUM_THREADS")
+    detail = (f"torch uses {threads} intra-op threads on {cpus} usable CPUs "
+              f"(OMP_NUM_THREADS={omp if omp is not None else 'unset'}); CPU workers get "
+              "usable CPUs / workers each")
+    if cpus and threads > cpus:
+        return Check(name, "WARN", detail,
+                     f"oversubscribed: export OMP_NUM_THREADS={cpus} (or fewer)")
+    return Check(name, "OK", detail)
+
+
+MODEL_CACHE_MIN_FREE = 512 << 20  # the default model is ~100 MiB; leave room for others
+
+
+def model_cache_dir() -> str:
+    """MPEXEC_CACHE_DIR, or ~/.cache/mpexec: where models are fetched to."""
+    return os.path.expanduser(os.environ.get("MPEXEC_CACHE_DIR") or "~/.cache/mpexec")
+
+
+def check_model_cache(path: str | None = None) -> Check:
+    name = "model cache"
+    path = path or model_cache_dir()
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK):
+        return Check(name, "FAIL", f"{path}: {probe} is not writable",
+                     "set MPEXEC_CACHE_DIR to a writable directory")
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
+    cached = f"{len(ggufs)} model file(s) cached" if ggufs else \
+        "empty: 'mpexec demo' fetches the default model (~100 MiB) on first use"
+    detail = f"{path} ({cached}); {_gib(free)} free on its disk"
+    if free < MODEL_CACHE_MIN_FREE:
+        return Check(name, "WARN", detail,
+                     "free disk space, or set MPEXEC_CACHE_DIR to a disk with room")
+    return Check(name, "OK", detail)
+
+
 def check_tcp_port() -> Check:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -281,6 +328,8 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_cpus,
     check_open_files,
     check_torch,
+    check_torch_threads,
+    check_model_cache,
     check_tcp_port,
 )
 

@@ -1,4 +1,4 @@
-"""``mpexec demo``: the executor end to end, as a short report.
+"""``mpexec demo --executor``: the executor end to end, as a short report.
 
 The driver starts ``--workers`` :class:`DemoWorker` processes with the
 multiprocess executor and then, step by step:

@@ -1,0 +1,85 @@
+"""What the model commands share: argument checks, progress, the default chat prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from mpexec.cli import UsageError
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
+def check_model(model: str) -> None:
+    """A path that does not exist is a mistake worth one line, before anything starts."""
+    if model == "default":
+        return
+    if not Path(model).expanduser().exists():
+        raise UsageError(f"no such model: {model} (give a checkpoint directory, "
+                         "a .gguf file, or 'default')")
+
+
+def check_layout(tp: int, pp: int) -> None:
+    """CPU workers need a CPU each: refuse TP x PP beyond this machine."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if tp * pp > count:
+                raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers, but "
+                                 f"{count} CUDA devices are visible")
+            return
+    cpus = usable_cpus()
+    if tp * pp > cpus:
+        raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} CPU workers, but this machine "
+                         f"has {cpus} usable CPUs (one worker needs one)")
+
+
+def require_torch(command: str) -> None:
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(f"'{command}' runs a model and needs torch: "
+                         ".venv/bin/pip install -e '.[model]'")
+
+
+class Progress:
+    """One self-rewriting status line on a terminal; silent otherwise."""
+
+    def __init__(self, out: TextIO | None = None, enabled: bool | None = None) -> None:
+        self.out = out or sys.stderr
+        self.enabled = self.out.isatty() if enabled is None else enabled
+        self.started = time.monotonic()
+        self._last = 0.0
+        self._shown = False
+
+    def update(self, text: str, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        self.out.write(f"\r\x1b[K{text}")
+        self.out.flush()
+        self._shown = True
+
+    def done(self) -> None:
+        if self.enabled and self._shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._shown = False
+
+
+DEMO_CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Give me three tips for writing clear code."}],
+    [{"role": "user", "content": "Explain in two sentences what a shared-memory ring buffer is."}],
+    [{"role": "user", "content": "Write a haiku about parallel computing."}],
+]

@@ -1,0 +1,257 @@
+"""The engine loop: a :class:`Scheduler` driving any :class:`Executor`.
+
+::
+
+    add_request ─> Scheduler.schedule() ─> SchedulerOutput (step N)
+                        │ execute_model(step N)   (forward on every worker)
+                        │ sample_tokens(None)     (the output rank replies)
+                        ▼
+                   ModelRunnerOutput ─> Scheduler.update_from_output()
+                                          ─> tokens appended, stops checked
+
+Synchronous (``async_scheduling`` off): one step at a time, blocking calls.
+
+Async scheduling: both calls go out with ``non_block=True`` and up to
+``executor.max_concurrent_batches`` steps are in flight.  ``step()`` first
+fills the pipeline (schedules and sends steps while there is room and work),
+then waits for the oldest step and applies it.  With PP = 1 the second step
+is scheduled while the first runs and its decode inputs are
+``PLACEHOLDER_TOKEN_ID``; with PP > 1 every stage gets its own micro-batch
+and the micro-batches hold disjoint requests, so no placeholder is sent.
+
+Start-up sizes the KV cache: ``num_blocks`` is the minimum over the workers
+of ``determine_available_memory() // kv_cache_block_bytes()`` (and no more
+than ``max_num_seqs`` requests of ``max_model_len`` tokens can use), then
+every worker gets ``initialize_cache(num_blocks)``; ``max_model_len`` is
+capped to what those blocks hold.
+
+Failure: any error out of the executor (``WorkerDiedError`` when a worker
+died, ``WorkerError`` when one raised, ``TimeoutError``) marks the engine
+dead, finishes every pending request (``finish_reason`` "abort", ``error``
+set) and reaches the caller unchanged.  The executor's failure callback
+marks the engine dead too, so an engine whose worker died while it was idle
+refuses the next call at once; nothing waits forever (the futures of a dead
+executor fail at once, and every call has the executor's timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any
+
+from mpexec.config import ExecutorConfig
+from mpexec.engine.block_manager import blocks_for
+from mpexec.engine.request import Request
+from mpexec.engine.scheduler import Scheduler, SchedulerLimits
+from mpexec.errors import MpexecError
+from mpexec.executor import Executor
+from mpexec.outputs import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(MpexecError, RuntimeError):
+    """The engine failed earlier (``__cause__`` says why) and takes no more work."""
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine; the executor's share comes from synchronous steps."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    sampled_tokens: int = 0
+    # Synchronous steps only: driver-side time of execute_model + sample_tokens,
+    # and the time the output rank reported inside those two methods.
+    sync_step_s: list[float] = field(default_factory=list)
+    sync_worker_s: list[float] = field(default_factory=list)
+
+    @property
+    def executor_share(self) -> float | None:
+        """Fraction of a step spent outside the workers' methods (None: no sync steps)."""
+        total = sum(self.sync_step_s)
+        if not total or len(self.sync_worker_s) != len(self.sync_step_s):
+            return None
+        return max(0.0, total - sum(self.sync_worker_s)) / total
+
+
+@dataclass
+class _InFlight:
+    scheduler_output: SchedulerOutput
+    executed: Future[Any] | None
+    sampled: Future[Any] | None
+    result: ModelRunnerOutput | None = None
+
+
+class Engine:
+    """Continuous batching over an executor whose workers speak the model-worker API."""
+
+    def __init__(self, executor: Executor, limits: SchedulerLimits,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.executor = executor
+        self.async_scheduling = executor.scheduler_config.async_scheduling
+        if self.async_scheduling and not executor.supports_async_scheduling():
+            raise ValueError(
+                f"{type(executor).__name__} does not support async scheduling")
+        self.max_steps_in_flight = executor.max_concurrent_batches if self.async_scheduling \
+            else 1
+        self.allow_placeholders = executor.parallel_config.pipeline_parallel_size == 1
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+        self._dead = threading.Event()
+        self._in_flight: deque[_InFlight] = deque()
+        self._next_id = 0
+        self.num_blocks = self._initialize_kv_cache(limits)
+        capacity = self.num_blocks * limits.block_size
+        if capacity < limits.max_model_len:
+            logger.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d",
+                           limits.max_model_len, capacity, self.num_blocks, limits.block_size)
+            limits = replace(limits, max_model_len=capacity)
+        self.limits = limits
+        self.scheduler = Scheduler(limits, self.num_blocks, eos_token_ids)
+        executor.register_failure_callback(self._dead.set)
+
+    @classmethod
+    def start(cls, config: ExecutorConfig, limits: SchedulerLimits,
+              eos_token_ids: tuple[int, ...] = ()) -> Engine:
+        """Build the executor ``config`` names and an engine on it."""
+        executor = Executor.get_class(config)(config)
+        try:
+            return cls(executor, limits, eos_token_ids)
+        except BaseException:
+            executor.shutdown()
+            raise
+
+    def _initialize_kv_cache(self, limits: SchedulerLimits) -> int:
+        available = self.executor.collective_rpc("determine_available_memory")
+        per_block = self.executor.collective_rpc("kv_cache_block_bytes")
+        num_blocks = min(int(a) // max(1, int(b)) for a, b in zip(available, per_block,
+                                                                    strict=True))
+        # More blocks than max_num_seqs full-length requests can use is memory wasted.
+        useful = limits.max_num_seqs * blocks_for(limits.max_model_len, limits.block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for a KV cache: the workers offer {min(available)} bytes and "
+                f"one block takes {max(per_block)}; give the workers more memory "
+                "(kv_cache_memory_bytes) or use more of them")
+        self.executor.collective_rpc("initialize_cache", args=(num_blocks,))
+        return num_blocks
+
+    # -- requests ----------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    req_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request; ValueError if it can never run (too long, empty)."""
+        self._raise_if_dead()
+        if req_id is None:
+            req_id = f"req-{self._next_id}"
+            self._next_id += 1
+        request = Request(req_id, list(prompt_token_ids), params)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, req_id: str) -> Request | None:
+        return self.scheduler.abort_request(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead.is_set()
+
+    # -- the loop -----------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Send what can be sent, apply the oldest step; the requests that changed."""
+        self._raise_if_dead()
+        try:
+            while len(self._in_flight) < self.max_steps_in_flight:
+                scheduler_output = self.scheduler.schedule(self.allow_placeholders)
+                if scheduler_output is None:
+                    break
+                self._dispatch(scheduler_output)
+            if not self._in_flight:
+                if self.scheduler.has_unfinished_requests():
+                    raise RuntimeError("the scheduler has requests but nothing it can run")
+                return []
+            return self._complete_oldest()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        if not self.async_scheduling:
+            started = time.perf_counter()
+            executed: Any = self.executor.execute_model(scheduler_output)
+            sampled: Any = self.executor.sample_tokens(None)
+            elapsed = time.perf_counter() - started
+            result = executed if executed is not None else sampled
+            self._record_sync_step(elapsed, result)
+            self._in_flight.append(_InFlight(scheduler_output, None, None, result))
+            return
+        executed_f: Any = self.executor.execute_model(scheduler_output, non_block=True)
+        sampled_f: Any = self.executor.sample_tokens(None, non_block=True)
+        self._in_flight.append(_InFlight(scheduler_output, executed_f, sampled_f))
+
+    def _record_sync_step(self, elapsed: float, result: Any) -> None:
+        extra = getattr(result, "extra", None) or {}
+        if "worker_execute_s" in extra:
+            self.stats.sync_step_s.append(elapsed)
+            self.stats.sync_worker_s.append(
+                float(extra["worker_execute_s"]) + float(extra.get("worker_sample_s", 0.0)))
+
+    def _complete_oldest(self) -> list[Request]:
+        item = self._in_flight[0]
+        result = item.result
+        if item.executed is not None and item.sampled is not None:
+            executed = item.executed.result()
+            sampled = item.sampled.result()
+            result = executed if executed is not None else sampled
+        self._in_flight.popleft()
+        changed = self.scheduler.update_from_output(item.scheduler_output, result)
+        self.stats.sampled_tokens += sum(1 for r in changed if r.output_token_ids)
+        return changed
+
+    # -- failure and end ------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._dead.set()
+        self._in_flight.clear()
+        for request in self.scheduler.abort_all():
+            request.error = exc
+        logger.error("engine failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0]
+                     if str(exc) else "")
+
+    def _raise_if_dead(self) -> None:
+        if not self._dead.is_set():
+            return
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.error}") from self.error
+        raise EngineDeadError("the engine failed: its executor reported a worker failure")
+
+    def shutdown(self) -> None:
+        """Stop the executor (idempotent); pending requests are aborted."""
+        self._in_flight.clear()
+        self.scheduler.abort_all()
+        self.executor.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()

@@ -1,0 +1,303 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+::
+
+    LLM(model="default" | path, tensor_parallel_size, pipeline_parallel_size, ...)
+      │ resolve_model(model) -> checkpoint path (the default model is fetched once)
+      │ open_checkpoint(path): config (EOS ids, context length) and tokenizer, in the driver
+      │ Engine.start(ExecutorConfig(worker_cls=ModelWorker, ...))  -> workers load their shards
+      ▼
+    generate / generate_stream / chat
+      │ text -> tokenizer.encode (plain text, exactly as the checkpoint's tokenizer does)
+      │ messages -> tokenizer.apply_chat_template(..., add_generation_prompt=True)
+      │ Engine.add_request ... Engine.step() until every request finished
+      ▼
+    list[RequestOutput] (text decoded with skip_special_tokens), or partial
+    outputs as tokens arrive (generate_stream)
+
+A failure of the engine (a worker died or raised) reaches the caller of
+``generate`` as the executor's error (``WorkerDiedError``, ``WorkerError``);
+the LLM is dead from then on (``EngineDeadError``) and only ``shutdown()``
+remains to do.  ``worker_cls`` and ``tokenizer`` let an engine builder run
+the same API on a worker of their own (the tests use a fake model).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Protocol
+
+from mpexec.config import ExecutorConfig, ParallelConfig, SchedulerConfig
+from mpexec.engine.engine import Engine
+from mpexec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mpexec.engine.request import Request
+from mpexec.engine.scheduler import SchedulerLimits
+from mpexec.outputs import SamplingParams
+
+MODEL_WORKER = "mpexec.models.worker:ModelWorker"
+
+Message = dict[str, str]
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+PromptType = str | dict[str, Any]
+ProgressCallback = Callable[[int, int, int], None]
+
+
+class TokenizerLike(Protocol):
+    """What the LLM needs of a tokenizer (``mpexec.models.tokenizer.Tokenizer`` has it)."""
+
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[Message],
+                            add_generation_prompt: bool = True) -> list[int]: ...
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
+class LLM:
+    """A model on N workers, with continuous batching, for offline generation."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = "default",
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        executor_backend: str | type = "mp",
+        dtype: str = "auto",
+        seed: int = 0,
+        async_scheduling: bool = False,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        device: str = "auto",
+        num_threads: int | None = None,
+        worker_cls: str | type = MODEL_WORKER,
+        worker_kwargs: dict[str, Any] | None = None,
+        tokenizer: TokenizerLike | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        **executor_fields: Any,
+    ) -> None:
+        self._engine: Engine | None = None
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size)
+        device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
+        world = parallel.world_size
+        if device_type == "cpu" and worker_cls == MODEL_WORKER and world > usable_cpus():
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world} CPU workers, but "
+                f"this machine has {usable_cpus()} usable CPUs: one worker needs one CPU")
+        model_max_len = max_model_len
+        if worker_cls == MODEL_WORKER:
+            path, config, loaded = _open_model(model)
+            tokenizer = tokenizer or loaded
+            eos = tuple(eos_token_ids) if eos_token_ids is not None else tuple(
+                dict.fromkeys([*config.eos_token_ids, *loaded.eos_token_ids]))
+            model_max_len = max_model_len or config.max_position_embeddings
+            if num_threads is None and device_type == "cpu":
+                num_threads = max(1, usable_cpus() // world)
+            kwargs: dict[str, Any] = {
+                "model": str(path), "dtype": dtype, "block_size": block_size,
+                "max_model_len": model_max_len,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
+                "num_threads": num_threads,
+            }
+            kwargs.update(worker_kwargs or {})
+            executor_fields.setdefault("omp_num_threads", num_threads)
+        else:
+            if tokenizer is None:
+                raise ValueError("worker_cls other than the model worker needs a tokenizer")
+            if model_max_len is None:
+                raise ValueError("worker_cls other than the model worker needs max_model_len")
+            eos = tuple(eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids)
+            kwargs = dict(worker_kwargs or {})
+        self.tokenizer: TokenizerLike = tokenizer
+        self.model = str(model)
+        config_obj = ExecutorConfig.from_env(
+            worker_cls=worker_cls, worker_kwargs=kwargs, parallel=parallel,
+            scheduler=SchedulerConfig(async_scheduling=async_scheduling),
+            executor_backend=executor_backend, device_type=device_type, **executor_fields)
+        limits = SchedulerLimits(max_model_len=model_max_len,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_seqs=max_num_seqs, block_size=block_size)
+        self._engine = Engine.start(config_obj, limits, eos)
+        self._clock_offset = time.time() - time.monotonic()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the LLM was not started")
+        return self._engine
+
+    # -- generation ----------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: ProgressCallback | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; one finished output per prompt, in order.
+
+        ``progress(finished, total, generated_tokens)`` is called as tokens arrive.
+        """
+        requests = self._add(self._prompts(prompts), sampling_params)
+        total = len(requests)
+        for _ in self._run(requests):
+            if progress is not None:
+                progress(sum(r.is_finished for r, _ in requests), total,
+                         sum(len(r.output_token_ids) for r, _ in requests))
+        return [self._output(r, text) for r, text in requests]
+
+    def generate_stream(self, prompts: PromptType | Sequence[PromptType],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        ) -> Iterator[RequestOutput]:
+        """Partial outputs as tokens arrive; each request's last one has ``finished``."""
+        requests = self._add(self._prompts(prompts), sampling_params)
+        texts = {r.req_id: text for r, text in requests}
+        try:
+            for changed in self._run(requests):
+                for request in changed:
+                    yield self._output(request, texts[request.req_id])
+        finally:
+            # A caller that stops reading early must not leave its requests running.
+            if self._engine is not None and not self._engine.is_dead:
+                for request, _ in requests:
+                    if not request.is_finished:
+                        self._engine.abort_request(request.req_id)
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             progress: ProgressCallback | None = None) -> list[RequestOutput]:
+        """Generate a reply to one conversation, or to each of several."""
+        return self.generate(self.chat_prompts(messages), sampling_params, progress)
+
+    def chat_prompts(self, messages: list[Message] | Sequence[list[Message]],
+                     ) -> list[dict[str, Any]]:
+        """Token prompts built with the checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            ids = self.tokenizer.apply_chat_template(list(conversation),  # type: ignore[arg-type]
+                                                     add_generation_prompt=True)
+            prompts.append({"prompt_token_ids": ids})
+        return prompts
+
+    def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        return list(prompts)
+
+    def _add(self, prompts: list[PromptType],
+             params: SamplingParams | Sequence[SamplingParams] | None,
+             ) -> list[tuple[Request, str | None]]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            per_prompt = [params] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        added: list[tuple[Request, str | None]] = []
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+                text, ids = self._tokenize(prompt, index)
+                try:
+                    request = self.engine.add_request(ids, p)
+                except ValueError as exc:
+                    where = f"prompt {index}: " if len(prompts) > 1 else ""
+                    raise ValueError(f"{where}{exc}") from None
+                added.append((request, text))
+        except BaseException:
+            for request, _ in added:
+                self.engine.abort_request(request.req_id)
+            raise
+        return added
+
+    def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise TypeError(f"prompt {index} must be a string or a dict with 'prompt_token_ids'; "
+                        f"got {type(prompt).__name__}")
+
+    def _run(self, requests: list[tuple[Request, str | None]]) -> Iterator[list[Request]]:
+        pending = {r.req_id for r, _ in requests}
+        while any(not r.is_finished for r, _ in requests):
+            changed = self.engine.step()
+            mine = [r for r in changed if r.req_id in pending]
+            if mine:
+                yield mine
+        for request, _ in requests:
+            if request.error is not None:
+                raise request.error
+
+    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+        tokens = list(request.output_token_ids)
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        completion = CompletionOutput(
+            index=0, text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            token_ids=tokens, finish_reason=reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None)
+        offset = self._clock_offset
+
+        def wall(t: float | None) -> float | None:
+            return None if t is None else t + offset
+
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time + offset,
+            first_token_time=wall(request.first_token_time),
+            finish_time=wall(request.finish_time))
+        return RequestOutput(
+            request_id=request.req_id, prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
+            finished=request.is_finished, metrics=metrics,
+            num_preemptions=request.num_preemptions)
+
+    # -- end --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+
+def _device_type(device: str) -> str:
+    if device in ("cpu", "cuda"):
+        return device
+    if device != "auto":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    try:
+        import torch  # the model worker needs it anyway; seconds, once
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _open_model(model: str | os.PathLike[str]) -> tuple[Any, Any, Any]:
+    """The checkpoint's path, config and tokenizer (the default model is fetched)."""
+    import importlib
+
+    fetch = importlib.import_module("mpexec.models.fetch")
+    loader = importlib.import_module("mpexec.models.loader")
+    path = fetch.resolve_model(str(model))
+    with loader.open_checkpoint(path) as checkpoint:
+        return path, checkpoint.config, checkpoint.tokenizer()

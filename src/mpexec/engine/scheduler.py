@@ -1,0 +1,301 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+::
+
+    add_request ──> waiting (FIFO; preempted requests go back to the front)
+                       │ admitted while the token budget, max_num_seqs and
+                       │ free KV blocks allow (first chunk of the prompt)
+                       ▼
+                    running ──> finished (EOS / stop token / max_tokens /
+                       ▲   │               max_model_len / abort)
+                       └───┘ preempted by recompute when blocks run out
+
+``schedule()`` builds one :class:`~mpexec.outputs.SchedulerOutput`:
+
+1. running requests first, in arrival order: each gets the tokens it has
+   not computed yet (a prompt chunk, or the last sampled token), up to what
+   is left of ``max_num_batched_tokens``; a long prompt is split over
+   steps (chunked prefill) and a chunk that does not end the prompt does
+   not sample.  When the KV blocks for a request are not free, the request
+   at the end of the running queue is preempted (its blocks freed, its id
+   put in ``finished_req_ids`` so workers forget it, and it waits again,
+   later resent as new with prompt + the tokens generated so far);
+2. then waiting requests, unless this step preempted one.
+
+``update_from_output()`` takes the step's
+:class:`~mpexec.outputs.ModelRunnerOutput`, appends each sampled token and
+checks the stop conditions.
+
+Async scheduling (``allow_placeholders``): a step may be scheduled before the
+previous step's tokens are back.  A decoding request then gets
+``PLACEHOLDER_TOKEN_ID`` as its input token, and the worker substitutes the
+token it sampled itself.  Without placeholders (PP > 1: steps in flight at
+once must hold disjoint requests) a request with a step in flight is
+skipped.  The tokens are the same either way.  Blocks freed by a request
+that a step in flight still uses are safe to reuse: every worker runs steps
+in order, so the old step is done with them before the next one starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from mpexec.engine.block_manager import BlockManager, blocks_for
+from mpexec.engine.request import FinishReason, Request, RequestStatus
+from mpexec.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What bounds one step and one request."""
+
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
+
+
+@dataclass
+class _Scheduled:
+    """A request's part in one step: does the step sample its next token?"""
+
+    request: Request
+    samples: bool
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockManager`."""
+
+    def __init__(self, limits: SchedulerLimits, num_blocks: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.limits = limits
+        self.blocks = BlockManager(num_blocks, limits.block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._forget: set[str] = set()  # finished_req_ids of the next step
+        self._next_step = 0
+        self._in_flight: dict[int, list[_Scheduled]] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; ValueError if it could never run."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if prompt_len >= self.limits.max_model_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens; the context holds "
+                f"{self.limits.max_model_len} (max_model_len), prompt and output together")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        request = self.requests.get(req_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def abort_all(self) -> list[Request]:
+        """Finish every request with ABORT (the engine failed or shuts down)."""
+        aborted = list(self.requests.values())
+        for request in aborted:
+            self._finish(request, FinishReason.ABORT)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- one step ----------------------------------------------------------------
+
+    def schedule(self, allow_placeholders: bool = True) -> SchedulerOutput | None:
+        """The next step, or None when no request has a token to run now."""
+        step = self._next_step
+        budget = self.limits.max_num_batched_tokens
+        output = SchedulerOutput(step=step)
+        batch: list[_Scheduled] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = self._tokens_to_run(request, budget, allow_placeholders)
+            if count == 0:
+                index += 1
+                continue
+            needed = self.blocks.blocks_needed(
+                len(request.block_ids), request.num_computed_tokens + count)
+            while not self.blocks.can_allocate(needed):
+                # The last running request has not been scheduled in this step
+                # (requests before `index` have); it may be `request` itself.
+                self._preempt(self.running[-1], step)
+                preempted = True
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            new_blocks = self.blocks.allocate(request.req_id, needed)
+            request.block_ids.extend(new_blocks)
+            if new_blocks:
+                output.new_block_ids[request.req_id] = new_blocks
+            batch.append(self._place(output, request, count))
+            budget -= count
+            index += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.limits.max_num_seqs):
+            request = self.waiting[0]
+            count = min(request.num_tokens, budget)
+            needed = blocks_for(count, self.limits.block_size)
+            if not self.blocks.can_allocate(needed):
+                break
+            self.waiting.popleft()
+            request.block_ids = self.blocks.allocate(request.req_id, needed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled_new_reqs.append(NewRequestData(
+                req_id=request.req_id,
+                prompt_token_ids=request.all_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=list(request.block_ids)))
+            batch.append(self._place(output, request, count))
+            budget -= count
+
+        if not batch:
+            return None
+        output.finished_req_ids, self._forget = self._forget, set()
+        self._in_flight[step] = batch
+        self._next_step += 1
+        return output
+
+    def _tokens_to_run(self, request: Request, budget: int, allow_placeholders: bool) -> int:
+        if request.num_steps_in_flight and not allow_placeholders:
+            return 0
+        total = request.num_tokens_with_placeholders
+        outputs = len(request.output_token_ids) + request.num_output_placeholders
+        if outputs >= request.sampling_params.max_tokens or total >= self.limits.max_model_len:
+            return 0  # its last token is being sampled; it finishes when that arrives
+        return min(total - request.num_computed_tokens, budget)
+
+    def _place(self, output: SchedulerOutput, request: Request, count: int) -> _Scheduled:
+        start = request.num_computed_tokens
+        tokens = []
+        for position in range(start, start + count):
+            token = request.token_at(position)
+            tokens.append(PLACEHOLDER_TOKEN_ID if token is None else token)
+        output.scheduled_tokens[request.req_id] = tokens
+        output.num_computed_tokens[request.req_id] = start
+        request.num_computed_tokens += count
+        request.num_steps_in_flight += 1
+        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        if samples:
+            request.num_output_placeholders += 1
+        return _Scheduled(request, samples)
+
+    def _preempt(self, request: Request, step: int) -> None:
+        logger.debug("preempting %s (recompute): KV blocks ran out", request.req_id)
+        self.running.remove(request)
+        self.blocks.free(request.req_id, request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.status = RequestStatus.WAITING
+        request.epoch_step = step  # outputs of earlier steps no longer count
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._forget.add(request.req_id)
+
+    # -- results -------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           output: ModelRunnerOutput | None) -> list[Request]:
+        """Apply one step's sampled tokens; the requests that changed, in batch order."""
+        batch = self._in_flight.pop(scheduler_output.step)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        if output is not None:
+            for i, req_id in enumerate(output.req_ids):
+                tokens = output.sampled_token_ids[i]
+                if tokens:
+                    sampled[req_id] = tokens[0]
+                row = output.logprobs[i] if output.logprobs is not None else None
+                if row:
+                    logprobs[req_id] = row[0]
+        now = time.monotonic()
+        changed = []
+        for item in batch:
+            request = item.request
+            request.num_steps_in_flight -= 1
+            if not item.samples or request.is_finished \
+                    or request.epoch_step > scheduler_output.step:
+                continue
+            request.num_output_placeholders -= 1
+            token = sampled.get(request.req_id)
+            if token is None:
+                raise RuntimeError(
+                    f"step {scheduler_output.step}: the workers returned no token for "
+                    f"{request.req_id}, which was due to sample")
+            request.output_token_ids.append(token)
+            if request.req_id in logprobs:
+                request.output_logprobs.append(logprobs[request.req_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            changed.append(request)
+        return changed
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.limits.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.blocks.free(request.req_id, request.block_ids)
+            request.block_ids = []
+            self._forget.add(request.req_id)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        self.requests.pop(request.req_id, None)

@@ -1,0 +1,82 @@
+"""``mpexec generate`` on the fake model: JSON lines, prompt errors, a dying worker."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+from mpexec import cli
+from mpexec.cli import generate
+from mpexec.engine.llm import LLM
+from mpexec.outputs import SamplingParams
+from tests.engine.conftest import FAKE_WORKER
+from tests.engine.fake_tokenizer import FakeTokenizer
+from tests.engine.fake_worker import reference_tokens
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+def use_fake_model(monkeypatch: pytest.MonkeyPatch, **worker_kwargs: Any) -> None:
+    def start(args: argparse.Namespace, tp: int, pp: int) -> LLM:
+        return LLM("fake", worker_cls=FAKE_WORKER, tokenizer=FakeTokenizer(),
+                   worker_kwargs={"block_size": 4, "seed": args.seed, **worker_kwargs},
+                   max_model_len=64, block_size=4, tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp, executor_backend=args.backend,
+                   async_scheduling=args.async_scheduling, shutdown_grace_s=2.0)
+
+    monkeypatch.setattr(generate, "start_llm", start)
+
+
+def test_json_lines_in_prompt_order(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    use_fake_model(monkeypatch)
+    prompts = ["first prompt", "b", "the third one"]
+    argv = ["generate", "--json", "--temperature", "0", "--max-tokens", "7", "--backend", "mp",
+            "--tp", "2", "--async-scheduling"]
+    for p in prompts:
+        argv += ["--prompt", p]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3
+    tok = FakeTokenizer()
+    for index, (prompt, line) in enumerate(zip(prompts, lines, strict=True)):
+        row = json.loads(line)
+        want, reason = reference_tokens(tok.encode(prompt), SamplingParams(temperature=0,
+                                        max_tokens=7), eos_token_ids=(3,), max_model_len=64)
+        assert row["index"] == index and row["prompt"] == prompt
+        assert row["token_ids"] == want and row["finish_reason"] == reason
+        assert row["text"] == tok.decode(want)
+        t = row["timings"]
+        assert t["arrival"] <= t["first_token"] <= t["finish"]
+
+
+def test_chat_and_plain_text_output(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    use_fake_model(monkeypatch)
+    assert cli.main(["generate", "--backend", "uni", "--chat", "--prompt", "hi",
+                     "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[0] 'hi'\n") and "(3 tokens, length)" in out
+
+
+def test_prompt_longer_than_the_context_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    use_fake_model(monkeypatch)
+    code = cli.main(["generate", "--backend", "uni", "--prompt", "x" * 80])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "the prompt has 80 tokens" in err and "max_model_len" in err
+
+
+def test_a_worker_dying_during_generate_exits_1(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    use_fake_model(monkeypatch, die_at_step=2, fault_rank=1)
+    code = cli.main(["generate", "--backend", "mp", "--tp", "2", "--prompt", "hello",
+                     "--max-tokens", "20", "--temperature", "0"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "mpexec generate: error: a worker died" in err and "SIGKILL" in err
+    assert "Traceback" not in err
