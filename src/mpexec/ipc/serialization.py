@@ -51,6 +51,24 @@ class Frame:
         self.nbytes = nbytes
 
 
+class EncodedMessage:
+    """A message pickled once (``MessageQueueWriter.encode``), ready to enqueue.
+
+    ``data`` is the bare pickle (small, no out-of-band buffers) or a
+    :class:`Frame` that still refers to the original object's buffers.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | Frame) -> None:
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        data = self.data
+        return len(data) if isinstance(data, bytes) else data.nbytes
+
+
 class _Sink:
     """A file for ``pickle.Pickler``: keeps every piece it is given, uncopied."""
 
