@@ -85,3 +85,45 @@ def blocked_reader(handle: Handle, rank: int, box: Any) -> None:
         box.put("TimeoutError")
     finally:
         queue.shutdown()
+
+
+class PipeGroup:
+    """A stand-in process group: ``broadcast_object`` over one pipe-backed
+    inbox per rank, as ``MessageQueue.create_from_process_group`` expects."""
+
+    def __init__(self, rank: int, inboxes: list[Any]) -> None:
+        self.rank_in_group = rank
+        self.world_size = len(inboxes)
+        self._inboxes = inboxes
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.rank_in_group == src:
+            for rank, box in enumerate(self._inboxes):
+                if rank != src:
+                    box.put(obj)
+            return obj
+        return self._inboxes[self.rank_in_group].get(timeout=30)
+
+    def barrier(self) -> None:
+        if self.rank_in_group == 0:
+            for _ in range(self.world_size - 1):
+                assert self._inboxes[0].get(timeout=30) == "arrived"
+            for box in self._inboxes[1:]:
+                box.put("go")
+        else:
+            self._inboxes[0].put("arrived")
+            assert self._inboxes[self.rank_in_group].get(timeout=30) == "go"
+
+
+def group_member(rank: int, inboxes: list[Any], writer_rank: int, results: Any) -> None:
+    """One rank of a group queue: broadcast three objects, report what arrived."""
+    group = PipeGroup(rank, inboxes)
+    queue = MessageQueue.create_from_process_group(group, 4096, 2, writer_rank=writer_rank,
+                                                   timeout=30)
+    try:
+        sent = [("hello", rank), b"z" * 100_000, list(range(1000))]
+        got = [queue.broadcast_object(obj if rank == writer_rank else None) for obj in sent]
+        results.put((rank, type(queue).__name__, [digest(repr(g).encode()) for g in got]))
+        group.barrier()  # every reader has read everything before the writer closes
+    finally:
+        queue.shutdown()

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -21,6 +21,14 @@ from mpexec.errors import QueueClosedError
 from mpexec.ipc import MessageQueue, layout
 
 pytestmark = pytest.mark.usefixtures("leak_check")
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -155,7 +163,10 @@ def test_shutdown_from_another_thread_wakes_a_blocked_call(side: str) -> None:
 
     thread = threading.Thread(target=blocked)
     thread.start()
-    time.sleep(0.2)  # let it reach the futex sleep
+    # Observed, not guessed: the shared header says the call is asleep on the futex.
+    asleep = ((lambda: reader.state().sleeping[0]) if side == "reader"
+              else (lambda: writer.state().writer_waiting))
+    wait_for(asleep, what=f"the {side} to fall asleep")
     target.shutdown()
     thread.join(timeout=10)  # its own deadline is 30 s: only the wake-up ends it sooner
     assert not thread.is_alive()
@@ -188,19 +199,44 @@ def test_idle_reader_logs_who_is_behind(caplog: pytest.LogCaptureFixture) -> Non
         q.shutdown()
 
 
-def test_nothing_named_in_dev_shm_and_fds_closed() -> None:
-    before = set(os.listdir("/dev/shm"))
+def _memfds() -> tuple[set[str], set[str]]:
+    """This process's mpexec memfds: open descriptors, and mapped segments."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:mpexec-"):
+            fds.add(target)
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split(None, 5)[5].strip() for line in maps
+                  if "/memfd:mpexec-" in line}
+    return fds, mapped
+
+
+def test_segments_are_anonymous_and_gone_after_shutdown() -> None:
+    """Queues live in memfds (no name anywhere); shutdown and dropping the
+    views give back every descriptor and every mapping, here in this process."""
+    assert _memfds() == (set(), set())
     writer = MessageQueue(2, 2)
     readers = [MessageQueue.create_from_handle(writer.export_handle(), r) for r in (0, 1)]
     writer.enqueue(np.zeros(1 << 20))
     arrays = [r.dequeue(timeout=5) for r in readers]
-    assert set(os.listdir("/dev/shm")) == before
-    del arrays
+    fds, mapped = _memfds()
+    assert any("-mq-" in f for f in fds) and any("-mq-bulk-" in f for f in fds)
+    assert any("-mq-bulk-" in m for m in mapped)   # the arrays are views of the bulk segment
+    assert all(m.endswith("(deleted)") for m in mapped)   # unlinked: nothing to clean up
     for q in (*readers, writer):
         q.shutdown()
         q.shutdown()  # idempotent
+    fds, mapped = _memfds()
+    assert not fds
+    assert mapped and all("-mq-bulk-" in m for m in mapped)   # held views keep their memory
+    assert float(arrays[0].sum()) == 0.0
+    del arrays
     gc.collect()
-    # leak_check asserts that no descriptor is left open
+    assert _memfds() == (set(), set())
 
 
 def test_no_room_for_the_segment_names_mib_needed_and_available(
@@ -211,7 +247,8 @@ def test_no_room_for_the_segment_names_mib_needed_and_available(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    with pytest.raises(OSError, match=r"cannot reserve 4\.\d MiB .* memory available: [\d.]+ MiB"):
+    with pytest.raises(OSError, match=r"cannot reserve 4\.\d MiB of shared memory for queue 'mq'"
+                       r".*No space left.*the limit that applies: .* leaves [\d.]+ MiB"):
         MessageQueue(1, 1, max_chunk_bytes=512 * 1024, max_chunks=8)
 
 

@@ -199,7 +199,10 @@ def test_writer_shutdown_wakes_a_reader_in_another_process() -> None:
     try:
         writer.wait_until_ready(timeout=BOX_TIMEOUT)
         assert box.get(timeout=BOX_TIMEOUT) == "waiting"
-        time.sleep(0.2)
+        deadline = time.monotonic() + BOX_TIMEOUT
+        while not writer.state().sleeping[0]:  # the reader is asleep on the futex
+            assert time.monotonic() < deadline, "the reader never fell asleep"
+            time.sleep(0.001)
         writer.shutdown()
         assert box.get(timeout=BOX_TIMEOUT) == "QueueClosedError"
     finally:
@@ -212,8 +215,9 @@ def test_writer_shutdown_wakes_a_reader_in_another_process() -> None:
 
 
 def test_sigkill_of_everyone_leaves_nothing_behind() -> None:
-    """A writer and its reader, both SIGKILLed mid-stream: no /dev/shm entry,
-    no memfd anywhere (the leak_check fixture checks this process too)."""
+    """A writer and its reader, both SIGKILLed mid-stream: no process on the
+    machine still holds or maps a segment either of them made (segment names
+    carry the creator's pid); the leak_check fixture checks this process."""
     script = textwrap.dedent("""
         import multiprocessing as mp, os, sys, time
         from mpexec.ipc import MessageQueue
@@ -247,7 +251,28 @@ def test_sigkill_of_everyone_leaves_nothing_behind() -> None:
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [e for e in os.listdir("/dev/shm") if "mpexec" in e]
+    assert not os.path.exists(f"/proc/{child}")
+    assert segments_made_by({proc.pid, child}) == []
+
+
+def segments_made_by(pids: set[int]) -> list[str]:
+    """Every descriptor or mapping, in any process we can see, of a segment
+    that one of ``pids`` created."""
+    marks = tuple(f"-{pid}-" for pid in pids)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            targets = [os.readlink(f"/proc/{entry}/fd/{fd}")
+                       for fd in os.listdir(f"/proc/{entry}/fd")]
+            with open(f"/proc/{entry}/maps") as maps:
+                targets += [line.strip() for line in maps if "memfd:" in line]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        found += [f"{entry}: {t}" for t in targets
+                  if "memfd:mpexec-" in t and any(m in t for m in marks)]
+    return found
 
 
 @pytest.mark.parametrize("fence", ["x86-locked-instruction"])

@@ -115,3 +115,36 @@ def test_torch_cpu_tensors_travel_out_of_band() -> None:
         assert torch.equal(back[key], tensor), key
     grad = torch.ones(3, requires_grad=True)
     assert torch.equal(loads(bytearray(dumps(grad))), grad)
+
+
+@pytest.mark.torch
+def test_lazy_views_and_parameters_keep_what_they_are() -> None:
+    """A conjugate or negative view goes through torch's own reducer (the fast
+    path would need its bytes resolved); a Parameter arrives as a Parameter
+    with its requires_grad, through the fast path."""
+    torch = pytest.importorskip("torch")
+    conj = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    neg = torch.tensor([1 + 2j], dtype=torch.complex64).conj().imag
+    assert conj.is_conj() and neg.is_neg()
+    for tensor in (conj, neg):
+        back = loads(bytearray(dumps(tensor)))
+        assert torch.equal(back, tensor)
+    for requires_grad in (False, True):
+        param = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3), requires_grad=requires_grad)
+        frame = Encoder().encode(param)
+        assert len(frame.buffers) == 1  # out of band: not torch's in-band storage pickle
+        back = loads(bytearray(dumps(param)))
+        assert type(back) is torch.nn.Parameter
+        assert back.requires_grad is requires_grad and torch.equal(back.detach(), param.detach())
+
+
+def test_bytearray_arrives_as_its_own_copy() -> None:
+    """A bytearray owns its memory, so it cannot be a view of the frame: it
+    arrives as a bytearray, copied out once (arrays and tensors are the views;
+    the copy in is tested above)."""
+    data = bytearray(b"q" * 100_000)
+    wire = bytearray(dumps(data))
+    back = loads(wire)
+    assert type(back) is bytearray and back == data
+    back[0] = 0
+    assert wire.count(b"q") == 100_000  # the frame was not written through

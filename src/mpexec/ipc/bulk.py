@@ -22,6 +22,11 @@ is gone, the mapping is freed and a finalizer stores the generation into the
 reader's release cell; that store is what lets the writer reuse the slot.
 Until then the slot's pages stay as the reader saw them, so a view held for
 an hour is never overwritten.
+
+Memory: before a message needs new shared memory (a one-off, a new slot, a
+slot that grows) the writer checks it against the process's limits
+(``limits``); a payload that does not fit fails its own ``enqueue`` with the
+documented ``OSError`` before anything is published, and the queue goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpexec.ipc import layout, sync
+from mpexec.ipc.limits import check_reservation
 from mpexec.ipc.serialization import Frame, iter_pieces
 from mpexec.ipc.shm import (
     Segment,
@@ -88,13 +94,14 @@ def _finish_short_write(fd: int, batch: list[Any], offset: int, done: int) -> No
 
 
 class _Slot:
-    __slots__ = ("fd", "inode", "capacity", "generation")
+    __slots__ = ("fd", "inode", "capacity", "generation", "filled")
 
     def __init__(self, fd: int, capacity: int) -> None:
         self.fd = fd
         self.inode = os.fstat(fd).st_ino
         self.capacity = capacity
         self.generation = 0
+        self.filled = 0        # bytes the file holds: rewriting them takes no new memory
 
 
 class BulkWriter:
@@ -110,6 +117,7 @@ class BulkWriter:
         """Write ``frame``; return (fd, inode, slot or NO_SLOT, generation)."""
         index = self._free_slot(frame.nbytes)
         if index is None:
+            check_reservation(frame.nbytes, what, mapped=False)
             fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
             try:
                 write_frame(fd, frame, what)
@@ -121,7 +129,10 @@ class BulkWriter:
             return fd, inode, layout.NO_SLOT, 0
         slot = self._slots[index]
         assert slot is not None
+        if frame.nbytes > slot.filled:
+            check_reservation(frame.nbytes - slot.filled, what, mapped=False)
         write_frame(slot.fd, frame, what)
+        slot.filled = max(slot.filled, frame.nbytes)
         slot.generation += 1
         self._trim(keep=index)
         return slot.fd, slot.inode, index, slot.generation

@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mpexec.errors import PeerDiedError, QueueClosedError
 from mpexec.ipc import layout, sync
@@ -27,7 +28,6 @@ class QueueEnd:
     """Attributes and shared plumbing of either end of a queue."""
 
     local_reader_ranks: list[int]
-    connect_ip: str | None
     _bulk: BulkWriter | None
     _peers: dict[int, PeerWatch]
 
@@ -39,7 +39,6 @@ class QueueEnd:
         self.n_reader = geometry.n_readers
         self.n_local_reader = geometry.n_readers
         self.local_reader_ranks = list(range(geometry.n_readers))
-        self.connect_ip = None
         self._segment = segment
         self._layout = geometry
         self._cells = segment.cells
@@ -92,11 +91,6 @@ class QueueEnd:
                    describe=self._describe_progress, what=f"queue {self.name!r}: {what}",
                    log_level=log_level)
 
-    def _require_writer(self, operation: str) -> None:
-        if not self._is_writer:
-            raise RuntimeError(f"{operation}() called on a reader end of queue {self.name!r}; "
-                               "only the writer may call it")
-
     def _check_open(self) -> None:
         if self._closed:
             raise QueueClosedError(f"queue {self.name!r} was shut down")
@@ -143,6 +137,29 @@ class QueueEnd:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def state(self) -> QueueState:
+        """What the shared header says now (either end may ask; tests and
+        progress lines use it to observe, e.g., that a reader is asleep)."""
+        cells = self._cells
+        return QueueState(
+            published=int(cells[layout.WRITE_SEQ_CELL]),
+            consumed=tuple(int(cells[c]) for c in self._read_seq_cells),
+            sleeping=tuple(bool(cells[c]) for c in self._sleeping_cells),
+            writer_waiting=bool(cells[layout.WRITER_WAITING_CELL]),
+            writer_closed=bool(cells[layout.CLOSED_CELL]),
+        )
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """A snapshot of a queue's shared header, reader by reader (index order)."""
+
+    published: int                 # messages the writer has published
+    consumed: tuple[int, ...]      # messages each reader has consumed
+    sleeping: tuple[bool, ...]     # each reader is asleep on the futex, waiting
+    writer_waiting: bool           # the writer is asleep, waiting for space
+    writer_closed: bool            # the writer shut the queue down
 
 
 def _release_local(segment: Segment, peers: dict[int, PeerWatch]) -> None:

@@ -42,13 +42,25 @@ the reader releases the chunk; a frame with buffers that fits is copied in,
 and copied out into private memory before the release; a larger frame
 travels through a bulk segment (see ``bulk``): one copy in, none out.
 
-The writer's steps are ``writer.WriterEnd.enqueue``, the reader's
-``reader.ReaderEnd.dequeue``; both are mixed into :class:`MessageQueue`.
+Two ends, two types.  ``MessageQueue(n_reader, n_local_reader, ...)``
+creates the writer end, a :class:`~mpexec.ipc.writer.MessageQueueWriter`
+(its steps: ``MessageQueueWriter.enqueue``);
+``MessageQueue.create_from_handle(handle, rank)`` returns a reader end, a
+:class:`~mpexec.ipc.reader.MessageQueueReader` (``dequeue``).  Both are
+``MessageQueue`` instances; calling the other end's operation on one raises a
+``RuntimeError`` that says so.
+
+Encoded once: ``writer.encode(obj)`` pickles into an :class:`EncodedMessage`
+that ``enqueue`` accepts as is, so a caller retrying a full ring with short
+timeouts (draining its own replies between tries) pickles the message once.
+A timed-out ``enqueue`` has published nothing and left nothing behind.
 
 Start-up: the writer creates the segment and exports a :class:`Handle`; each
 reader attaches with :meth:`MessageQueue.create_from_handle` (announcing its
 pid); :meth:`wait_until_ready` is the collective handshake: the writer waits
 for every local reader, then sets ``ready``; readers wait for ``ready``.
+:meth:`MessageQueue.create_from_process_group` does all of that over any
+group object that can broadcast a Python object (see there).
 
 End: :meth:`shutdown` on either side marks that side closed in shared memory
 and wakes every sleeper, so blocked calls in this process raise
@@ -64,18 +76,14 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from mpexec.errors import QueueClosedError
-from mpexec.ipc import layout, sync
-from mpexec.ipc.bulk import BulkWriter
-from mpexec.ipc.layout import RingLayout
-from mpexec.ipc.peers import PeerWatch
-from mpexec.ipc.reader import ReaderEnd
-from mpexec.ipc.shm import Segment, SegmentRef, segment_name
-from mpexec.ipc.writer import WriterEnd
+from mpexec.ipc import sync
+from mpexec.ipc.endpoint import QueueEnd
+from mpexec.ipc.serialization import EncodedMessage
+from mpexec.ipc.shm import SegmentRef
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +92,6 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_SPIN_S = 0.001
 DEFAULT_TICK_S = 0.05
 DEFAULT_LOG_INTERVAL_S = 60.0
-_FAST_POLLS = 32
 _CLOSE_GRACE_S = 2.0
 
 
@@ -93,154 +100,142 @@ class Handle:
     """What a reader needs to attach to a queue; small and picklable."""
 
     local_reader_ranks: list[int]
-    buffer: SegmentRef | None
+    buffer: SegmentRef
     n_reader: int
     max_chunks: int
     max_chunk_bytes: int
     token: int
     name: str = "mq"
-    remote_subscribe_addr: str | None = None
 
 
-class MessageQueue(WriterEnd, ReaderEnd):
-    """One writer, ``n_reader`` readers, messages delivered to all in order."""
+class ProcessGroup(Protocol):
+    """What :meth:`MessageQueue.create_from_process_group` needs of a group."""
 
-    def __init__(
-        self,
+    @property
+    def rank_in_group(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class MessageQueue(QueueEnd):
+    """One writer, ``n_reader`` readers, messages delivered to all in order.
+
+    ``MessageQueue(...)`` builds the writer end (see
+    :class:`~mpexec.ipc.writer.MessageQueueWriter` for the arguments);
+    :meth:`create_from_handle` attaches a reader end.
+    """
+
+    def __new__(
+        cls,
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: list[int] | None = None,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
-        connect_ip: str | None = None,
         *,
         name: str = "mq",
         spin_s: float = DEFAULT_SPIN_S,
         tick_s: float = DEFAULT_TICK_S,
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
-    ) -> None:
-        if n_reader < 1:
-            raise ValueError(f"n_reader must be >= 1, got {n_reader}")
-        if not 0 <= n_local_reader <= n_reader:
-            raise ValueError(
-                f"n_local_reader must be in [0, n_reader={n_reader}], got {n_local_reader}")
-        if n_local_reader != n_reader:
-            raise NotImplementedError(
-                "remote readers (n_local_reader < n_reader) need the multi-node transport, "
-                "which this version of mpexec does not have yet")
-        if local_reader_ranks is None:
-            local_reader_ranks = list(range(n_local_reader))
-        if len(local_reader_ranks) != n_local_reader or len(set(local_reader_ranks)) != len(
-                local_reader_ranks):
-            raise ValueError(
-                f"local_reader_ranks must be {n_local_reader} distinct ranks, "
-                f"got {local_reader_ranks}")
-        sync.check_fences()
-        geometry = RingLayout(n_local_reader, max_chunks, max_chunk_bytes)
-        segment = Segment.create(segment_name(name), geometry.total_bytes,
-                                 f"queue {name!r} ({geometry.total_bytes / 2**20:.1f} MiB)")
-        token = secrets.randbits(63)
-        cells = segment.cells
-        cells[layout.N_READERS_CELL] = n_local_reader
-        cells[layout.MAX_CHUNKS_CELL] = max_chunks
-        cells[layout.CHUNK_BYTES_CELL] = max_chunk_bytes
-        cells[layout.WRITER_PID_CELL] = os.getpid()
-        cells[layout.TOKEN_CELL] = token
-        sync.full_fence()
-        cells[layout.MAGIC_CELL] = layout.MAGIC
-        self._setup(segment, geometry, name, reader_index=None, writer_pid=os.getpid(),
-                    spin_s=spin_s, tick_s=tick_s, log_interval_s=log_interval_s)
-        self.n_reader = n_reader
-        self.n_local_reader = n_local_reader
-        self.local_reader_ranks = list(local_reader_ranks)
-        self.connect_ip = connect_ip
-        self._token = token
-        self._bulk = BulkWriter(name, self._bulk_released)
+    ) -> MessageQueue:
+        if cls is MessageQueue:
+            from mpexec.ipc.writer import MessageQueueWriter
 
-    # -- construction on the reader side -------------------------------------
-
-    def export_handle(self) -> Handle:
-        """The handle readers pass to :meth:`create_from_handle`."""
-        self._require_writer("export_handle")
-        return Handle(
-            local_reader_ranks=list(self.local_reader_ranks),
-            buffer=self._segment.ref(),
-            n_reader=self.n_reader,
-            max_chunks=self._layout.max_chunks,
-            max_chunk_bytes=self._layout.chunk_bytes,
-            token=self._token,
-            name=self.name,
-        )
+            cls = MessageQueueWriter
+        return object.__new__(cls)
 
     @classmethod
     def create_from_handle(cls, handle: Handle, rank: int, *,
                            spin_s: float = DEFAULT_SPIN_S, tick_s: float = DEFAULT_TICK_S,
                            log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> MessageQueue:
-        """Attach as the reader of global rank ``rank`` (any process, same machine)."""
-        if handle.buffer is None:
-            raise NotImplementedError("this handle has no local buffer (remote readers)")
-        if rank not in handle.local_reader_ranks:
-            raise ValueError(f"rank {rank} is not a local reader of queue {handle.name!r}; "
-                             f"its local reader ranks are {handle.local_reader_ranks}")
-        sync.check_fences()
-        what = f"queue {handle.name!r}"
-        segment = Segment.attach(handle.buffer, what)
-        try:
-            cells = segment.cells
-            if cells[layout.MAGIC_CELL] != layout.MAGIC or cells[layout.TOKEN_CELL] != handle.token:
-                raise QueueClosedError(f"{what}: the segment does not belong to this handle")
-            sync.acquire_fence()
-            geometry = RingLayout(int(cells[layout.N_READERS_CELL]),
-                                  int(cells[layout.MAX_CHUNKS_CELL]),
-                                  int(cells[layout.CHUNK_BYTES_CELL]))
-            index = handle.local_reader_ranks.index(rank)
-            state_cell = geometry.reader_cell(index, layout.STATE)
-            if cells[state_cell] == layout.STATE_ATTACHED:
-                other = int(cells[geometry.reader_cell(index, layout.PID)])
-                watch = PeerWatch(other)
-                holder_alive = watch.alive()
-                watch.close()
-                if other != os.getpid() and holder_alive:
-                    raise ValueError(f"{what}: reader rank {rank} is already attached "
-                                     f"by process {other}")
-            queue = cls.__new__(cls)
-            queue._setup(segment, geometry, handle.name, reader_index=index,
-                         writer_pid=handle.buffer.pid, spin_s=spin_s, tick_s=tick_s,
-                         log_interval_s=log_interval_s)
-        except BaseException:
-            segment.close()
-            raise
-        queue.n_reader = handle.n_reader
-        queue.local_reader_ranks = list(handle.local_reader_ranks)
-        queue._token = handle.token
-        queue._seq = int(cells[geometry.reader_cell(index, layout.READ_SEQ)])
-        cells[geometry.reader_cell(index, layout.PID)] = os.getpid()
-        sync.release_fence()
-        cells[state_cell] = layout.STATE_ATTACHED
-        sync.full_fence()
+        """Attach as the reader of rank ``rank`` (any process, same machine)."""
+        from mpexec.ipc.reader import MessageQueueReader
+
+        return MessageQueueReader.attach(handle, rank, spin_s=spin_s, tick_s=tick_s,
+                                         log_interval_s=log_interval_s)
+
+    @classmethod
+    def create_from_process_group(
+        cls, group: ProcessGroup, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS, writer_rank: int = 0, *,
+        name: str = "group", timeout: float | None = None, spin_s: float = DEFAULT_SPIN_S,
+    ) -> MessageQueue:
+        """A queue from ``writer_rank`` to every other rank of ``group`` (one node).
+
+        Collective: every rank of the group calls it.  ``group`` is duck-typed
+        (``rank_in_group``, ``world_size``, ``broadcast_object(obj, src)`` with
+        ``src`` a rank within the group), so any process-group wrapper serves
+        and nothing here imports torch.  The writer rank creates the writer
+        (``world_size - 1`` readers, all local), the group broadcasts its
+        handle, the others attach as readers, and all wait until ready (that
+        handshake is the barrier).  Returns the writer on ``writer_rank`` and a
+        reader elsewhere.
+        """
+        world, rank = int(group.world_size), int(group.rank_in_group)
+        if world < 2:
+            raise ValueError(f"a queue over a group needs >= 2 ranks, this group has {world}")
+        if not 0 <= writer_rank < world:
+            raise ValueError(f"writer_rank must be in [0, {world}), got {writer_rank}")
+        queue: MessageQueue
+        if rank == writer_rank:
+            readers = [r for r in range(world) if r != writer_rank]
+            queue = MessageQueue(world - 1, world - 1, readers, max_chunk_bytes, max_chunks,
+                                 name=name, spin_s=spin_s)
+            try:
+                group.broadcast_object(queue.export_handle(), src=writer_rank)
+                queue.wait_until_ready(timeout)
+            except BaseException:
+                queue.shutdown()
+                raise
+        else:
+            handle = group.broadcast_object(None, src=writer_rank)
+            queue = MessageQueue.create_from_handle(handle, rank, spin_s=spin_s)
+            try:
+                queue.wait_until_ready(timeout)
+            except BaseException:
+                queue.shutdown()
+                raise
         return queue
+
+    # -- what one end or the other does (the wrong end says so) --------------
+
+    def export_handle(self) -> Handle:
+        """The handle readers pass to :meth:`create_from_handle` (writer only)."""
+        raise self._wrong_end("export_handle", "writer")
+
+    def encode(self, obj: Any) -> EncodedMessage:
+        """Pickle ``obj`` once, for one or more ``enqueue`` tries (writer only)."""
+        raise self._wrong_end("encode", "writer")
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Broadcast ``obj`` (or an :class:`EncodedMessage`) to every reader."""
+        raise self._wrong_end("enqueue", "writer")
+
+    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
+        """The next message, in order (reader only)."""
+        raise self._wrong_end("dequeue", "reader")
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Writer: enqueue ``obj`` and return it.  Reader: return the next message."""
+        raise NotImplementedError
+
+    def _wrong_end(self, operation: str, end: str) -> RuntimeError:
+        other = "reader" if end == "writer" else "writer"
+        return RuntimeError(f"{operation}() called on the {other} end of queue {self.name!r}; "
+                            f"only the {end} may call it")
 
     # -- handshake ------------------------------------------------------------
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """Collective start: the writer waits for every reader, readers for the writer."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        cells = self._cells
-        if self._is_writer:
-            state_cells = [self._layout.reader_cell(r, layout.STATE)
-                           for r in range(self._layout.n_readers)]
-            self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
-                       None, None, deadline, self._check_all_readers,
-                       "wait_until_ready (readers attaching)")
-            sync.release_fence()
-            cells[layout.READY_CELL] = 1
-            sync.full_fence()
-            sync.futex_wake(self._ready_addr)
-        else:
-            ready_addr = self._ready_addr
-            self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
-                       deadline, self._check_writer, "wait_until_ready (writer)")
-            sync.acquire_fence()
+        self._handshake(deadline)
+
+    def _handshake(self, deadline: float | None) -> None:
+        raise NotImplementedError
 
     # -- closing --------------------------------------------------------------
 
@@ -251,12 +246,7 @@ class MessageQueue(WriterEnd, ReaderEnd):
         self._closed = True
         segment = self._segment
         if self._pid == os.getpid() and not segment.closed:
-            cells = self._cells
-            if self._is_writer:
-                cells[layout.CLOSED_CELL] = 1
-            else:
-                assert self._reader is not None
-                cells[self._layout.reader_cell(self._reader, layout.STATE)] = layout.STATE_CLOSED
+            self._mark_closed()
             sync.full_fence()
             sync.futex_wake(self._write_seq_addr)
             sync.futex_wake(self._ready_addr)
@@ -274,6 +264,9 @@ class MessageQueue(WriterEnd, ReaderEnd):
         if self._bulk is not None:
             self._bulk.close()
         self._finalizer()
+
+    def _mark_closed(self) -> None:
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         role = "writer" if self._is_writer else f"reader {self._reader}"

@@ -1,8 +1,10 @@
 """Noticing that the process at the other end of a queue has died.
 
 A pidfd (Linux >= 5.3) becomes readable when its process exits, even before
-the process is reaped, and cannot be fooled by pid reuse once open.  Where
-pidfds are missing, ``kill(pid, 0)`` is the fallback.
+the process is reaped, and cannot be fooled by pid reuse once open.  It is
+asked with ``poll``, never ``select``: ``select`` refuses descriptors above
+1,023, which any process serving many connections has.  Where pidfds are
+missing, ``kill(pid, 0)`` is the fallback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ class PeerWatch:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._fd = -1
+        self._poll: select.poll | None = None
+        self._dead = False
         if hasattr(os, "pidfd_open"):
             try:
                 self._fd = os.pidfd_open(pid)
@@ -25,14 +29,15 @@ class PeerWatch:
                 return
             except OSError:
                 self._fd = -1
-        self._dead = False
+        if self._fd >= 0:
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
 
     def alive(self) -> bool:
         if self._dead:
             return False
-        if self._fd >= 0:
-            readable, _, _ = select.select([self._fd], [], [], 0)
-            self._dead = bool(readable)
+        if self._poll is not None:
+            self._dead = bool(self._poll.poll(0))
         else:
             try:
                 os.kill(self.pid, 0)
@@ -44,5 +49,6 @@ class PeerWatch:
 
     def close(self) -> None:
         if self._fd >= 0:
+            self._poll = None
             os.close(self._fd)
             self._fd = -1

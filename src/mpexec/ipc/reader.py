@@ -1,45 +1,111 @@
-"""The reader's half of the queue protocol: wait for a message, take it.
+"""A reader end of a queue: attach to the writer's segment, wait for a message, take it.
 
-See ``message_queue`` for the protocol as a whole; the numbered steps there
-are the body of :meth:`ReaderEnd.dequeue`.
+See ``message_queue`` for the protocol as a whole; the reader's column of the
+table there is the body of :meth:`MessageQueueReader.dequeue`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from typing import Any
 
+from mpexec.errors import QueueClosedError
 from mpexec.ipc import layout, sync
 from mpexec.ipc.bulk import BulkRelease, map_bulk
-from mpexec.ipc.endpoint import QueueEnd
+from mpexec.ipc.layout import RingLayout
+from mpexec.ipc.message_queue import (
+    DEFAULT_LOG_INTERVAL_S,
+    DEFAULT_SPIN_S,
+    DEFAULT_TICK_S,
+    Handle,
+    MessageQueue,
+)
+from mpexec.ipc.peers import PeerWatch
 from mpexec.ipc.serialization import decode
+from mpexec.ipc.shm import Segment
 
 _FAST_POLLS = 32
 
 
-class ReaderEnd(QueueEnd):
-    """``dequeue`` and what it needs; mixed into ``MessageQueue``."""
+class MessageQueueReader(MessageQueue):
+    """A reader end: ``dequeue`` and ``broadcast_object``; made by ``attach``."""
+
+    @classmethod
+    def attach(cls, handle: Handle, rank: int, *, spin_s: float = DEFAULT_SPIN_S,
+               tick_s: float = DEFAULT_TICK_S,
+               log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> MessageQueueReader:
+        """Attach as the reader of rank ``rank`` (see ``create_from_handle``)."""
+        if rank not in handle.local_reader_ranks:
+            raise ValueError(f"rank {rank} is not a local reader of queue {handle.name!r}; "
+                             f"its local reader ranks are {handle.local_reader_ranks}")
+        sync.check_fences()
+        what = f"queue {handle.name!r}"
+        segment = Segment.attach(handle.buffer, what)
+        try:
+            cells = segment.cells
+            if cells[layout.MAGIC_CELL] != layout.MAGIC or cells[layout.TOKEN_CELL] != handle.token:
+                raise QueueClosedError(f"{what}: the segment does not belong to this handle")
+            sync.acquire_fence()
+            geometry = RingLayout(int(cells[layout.N_READERS_CELL]),
+                                  int(cells[layout.MAX_CHUNKS_CELL]),
+                                  int(cells[layout.CHUNK_BYTES_CELL]))
+            index = handle.local_reader_ranks.index(rank)
+            state_cell = geometry.reader_cell(index, layout.STATE)
+            if cells[state_cell] == layout.STATE_ATTACHED:
+                other = int(cells[geometry.reader_cell(index, layout.PID)])
+                watch = PeerWatch(other)
+                holder_alive = watch.alive()
+                watch.close()
+                if other != os.getpid() and holder_alive:
+                    raise ValueError(f"{what}: reader rank {rank} is already attached "
+                                     f"by process {other}")
+            queue = object.__new__(cls)
+            queue._setup(segment, geometry, handle.name, reader_index=index,
+                         writer_pid=handle.buffer.pid, spin_s=spin_s, tick_s=tick_s,
+                         log_interval_s=log_interval_s)
+        except BaseException:
+            segment.close()
+            raise
+        queue.n_reader = handle.n_reader
+        queue.n_local_reader = len(handle.local_reader_ranks)
+        queue.local_reader_ranks = list(handle.local_reader_ranks)
+        queue._token = handle.token
+        queue._seq = int(cells[geometry.reader_cell(index, layout.READ_SEQ)])
+        cells[geometry.reader_cell(index, layout.PID)] = os.getpid()
+        sync.release_fence()
+        cells[state_cell] = layout.STATE_ATTACHED
+        sync.full_fence()
+        return queue
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        return self.dequeue()
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; waits up to ``timeout`` (None: no limit).
+
+        A message published by the deadline is returned, even when the wait
+        noticed it only at the deadline; ``TimeoutError`` means none had
+        arrived then.  A ``timeout`` of zero or less is one look.
 
         Every ``log_interval_s`` of waiting a line says who is behind: at
         WARNING, or for an ``indefinite`` wait (an idle worker waiting for its
         next call) at INFO when some reader lags behind the writer - a stuck
         peer - and at DEBUG when everyone is merely idle.
         """
-        reader = self._reader
-        if reader is None or self._closed:
-            if reader is None:
-                raise RuntimeError(f"dequeue() called on the writer end of queue {self.name!r}")
+        if self._closed:
             self._check_open()
+        reader = self._reader
+        assert reader is not None
         self._busy = True
         try:
             seq = self._seq
             cells = self._cells
             if cells[layout.WRITE_SEQ_CELL] <= seq:
+                # The deadline counts from the call, not from after the polls.
+                deadline = None if timeout is None else time.monotonic() + timeout
                 # A few polls here cost less than setting up the general wait;
                 # a zero timeout (a poll, as when the driver drains replies)
                 # goes straight to it, which answers at once.
@@ -49,7 +115,6 @@ class ReaderEnd(QueueEnd):
                     if cells[layout.WRITE_SEQ_CELL] > seq:
                         break
                 else:
-                    deadline = None if timeout is None else time.monotonic() + timeout
                     self._wait_for_message(seq, deadline, indefinite)
             sync.acquire_fence()
             base = self._chunk_offsets[seq % self._max_chunks]
@@ -79,6 +144,17 @@ class ReaderEnd(QueueEnd):
         finally:
             self._busy = False
         return obj if view is None else decode(view)
+
+    def _handshake(self, deadline: float | None) -> None:
+        cells = self._cells
+        ready_addr = self._ready_addr
+        self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
+                   deadline, self._check_writer, "wait_until_ready (writer)")
+        sync.acquire_fence()
+
+    def _mark_closed(self) -> None:
+        assert self._reader is not None
+        self._cells[self._layout.reader_cell(self._reader, layout.STATE)] = layout.STATE_CLOSED
 
     def _map_bulk(self, head: int, size: int, reader: int) -> memoryview:
         cells = self._cells

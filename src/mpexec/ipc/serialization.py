@@ -51,6 +51,24 @@ class Frame:
         self.nbytes = nbytes
 
 
+class EncodedMessage:
+    """A message pickled once (``MessageQueueWriter.encode``), ready to enqueue.
+
+    ``data`` is the bare pickle (small, no out-of-band buffers) or a
+    :class:`Frame` that still refers to the original object's buffers.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | Frame) -> None:
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        data = self.data
+        return len(data) if isinstance(data, bytes) else data.nbytes
+
+
 class _Sink:
     """A file for ``pickle.Pickler``: keeps every piece it is given, uncopied."""
 
@@ -79,19 +97,40 @@ def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     return flat.view(dtype).reshape(shape)
 
 
-def _reduce_tensor(tensor: Any) -> Any:
-    # Only plain dense CPU tensors take the zero-copy path; anything else
-    # (autograd history, sparse, quantized, other devices) keeps torch's own.
-    if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.is_sparse
-            or tensor.is_quantized or tensor.is_nested):
-        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+def _rebuild_parameter(buf: Any, dtype: Any, shape: tuple[int, ...],
+                       requires_grad: bool) -> Any:
     import torch
 
-    dense = tensor.detach().contiguous()
-    if dense.numel() == 0:
-        data = pickle.PickleBuffer(b"")
-    else:
-        data = pickle.PickleBuffer(dense.reshape(-1).view(torch.uint8).numpy())
+    return torch.nn.Parameter(_rebuild_tensor(buf, dtype, shape), requires_grad=requires_grad)
+
+
+def _fast_path_refuses(tensor: Any, is_parameter: bool) -> bool:
+    """Tensors whose bytes alone do not say what they are keep torch's reducer:
+    other devices, sparse/quantized/nested layouts, conjugate or negative
+    views (a lazy bit, not data), and autograd history (a Parameter is a leaf:
+    its ``requires_grad`` travels with it)."""
+    return (tensor.device.type != "cpu" or tensor.is_sparse or tensor.is_quantized
+            or tensor.is_nested or tensor.is_conj() or tensor.is_neg()
+            or (tensor.requires_grad and not is_parameter))
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    import torch
+
+    is_parameter = type(tensor) is torch.nn.Parameter
+    if _fast_path_refuses(tensor, is_parameter):
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    try:
+        dense = tensor.detach().contiguous()
+        if dense.numel() == 0:
+            data = pickle.PickleBuffer(b"")
+        else:
+            data = pickle.PickleBuffer(dense.reshape(-1).view(torch.uint8).numpy())
+    except (RuntimeError, TypeError):  # a kind of tensor this path does not know yet
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if is_parameter:
+        return _rebuild_parameter, (data, dense.dtype, tuple(dense.shape),
+                                    bool(tensor.requires_grad))
     return _rebuild_tensor, (data, dense.dtype, tuple(dense.shape))
 
 

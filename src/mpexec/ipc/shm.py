@@ -12,16 +12,17 @@ Sharing: the creator keeps the descriptor open; another process opens
 travels with the handle, so a descriptor number reused for another file after
 the creator closed the segment is detected instead of mapped.
 
-Space is reserved when the segment is made (``posix_fallocate``): a machine
-without the memory fails construction with an error that names the MiB needed
-and available, never with a SIGBUS at first touch.
+Space is reserved when the segment is made (``posix_fallocate``), after a
+check against every limit on this process's memory (``limits``): a segment
+that cannot fit fails construction with an ``OSError`` naming what it was
+for, the MiB needed and the limit that applies, never with the OOM killer or
+a SIGBUS at first touch.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import itertools
 import mmap
 import os
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpexec.errors import PeerDiedError, QueueClosedError
+from mpexec.ipc.limits import check_reservation, memory_limits, reservation_failed, tightest
 
 _counter = itertools.count()
 MiB = 1 << 20
@@ -56,42 +58,24 @@ def segment_name(kind: str) -> str:
 
 
 def available_memory_bytes() -> int | None:
-    """MemAvailable, lowered to the cgroup's headroom when one is set."""
-    best: int | None = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    best = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            headroom = max(int(limit) - used, 0)
-            best = headroom if best is None else min(best, headroom)
-    except (OSError, ValueError):
-        pass
-    return best
+    """Bytes of new shared memory this process may still take (the tightest
+    of MemAvailable, its cgroups and its rlimits; see ``limits``)."""
+    limit = tightest(memory_limits())
+    return None if limit is None else limit.headroom
 
 
 def reservation_error(err: OSError, size: int, what: str) -> OSError:
-    avail = available_memory_bytes()
-    avail_text = "unknown" if avail is None else f"{avail / MiB:.1f} MiB"
-    return OSError(
-        err.errno,
-        f"cannot reserve {size / MiB:.1f} MiB of shared memory for {what}: "
-        f"{os.strerror(err.errno or errno.ENOMEM)}; memory available: {avail_text}. "
-        "Lower max_chunk_bytes / max_chunks or free memory.",
-    )
+    """The documented error for a reservation the kernel refused."""
+    return reservation_failed(err, size, what)
 
 
 def create_memfd(name: str, size: int, what: str) -> int:
-    """A 0600 memfd of ``size`` bytes whose pages are already allocated."""
+    """A 0600 memfd of ``size`` bytes whose pages are already allocated.
+
+    ``size`` is checked against every memory limit first (see ``limits``), so
+    an impossible size fails here, at once, instead of feeding the OOM killer.
+    """
+    check_reservation(size, what)
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)

@@ -32,13 +32,19 @@ Python has no atomics, so this module supplies the three things the ring in
   ``full_fence()`` and then reads the flag: either the waker sees the flag and
   wakes, or the waiter's kernel comparison sees the new value.  No wake-up is
   lost.  Where the futex syscall is unknown (not Linux, or an unlisted
-  architecture) waiting degrades to short sleeps.
+  architecture) or refused (``ENOSYS``/``EPERM``: a seccomp filter, as some
+  container runtimes install) waiting degrades to timed sleeps of at most
+  ``FALLBACK_SLEEP_S``: once refused, the syscall is never tried again, and
+  one WARNING says so.  Every other errno of ``FUTEX_WAIT`` (``EAGAIN``: the
+  word already changed; ``EINTR``; ``ETIMEDOUT``) is an ordinary return, since
+  callers re-check their condition anyway.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import platform
@@ -60,9 +66,6 @@ _SYS_FUTEX = {
 _FUTEX_WAIT = 0
 _FUTEX_WAKE = 1
 _INT_MAX = 0x7FFFFFFF
-_EAGAIN = 11
-_EINTR = 4
-_ETIMEDOUT = 110
 
 
 class _Timespec(ctypes.Structure):
@@ -167,7 +170,36 @@ if _futex_nr is not None:
     except (OSError, AttributeError):  # pragma: no cover - exotic libc
         _syscall = None
 
-HAVE_FUTEX = _syscall is not None
+HAVE_FUTEX = _syscall is not None   # the syscall exists (it may still be refused)
+
+# Longest sleep of a waiter once futexes are unavailable: the wake-up latency
+# an idle queue pays then, and a rate of ~1,000 wake-ups/s, not a spin.
+FALLBACK_SLEEP_S = 0.001
+_REFUSED = (errno.ENOSYS, errno.EPERM)
+_futex_refused: str | None = None if _syscall is not None else "no futex syscall here"
+
+
+def futex_available() -> bool:
+    """False once futexes are unknown or were refused (waits are timed sleeps)."""
+    return _futex_refused is None
+
+
+def _refuse(reason: str) -> None:
+    global _futex_refused
+    if _futex_refused is None:
+        _futex_refused = reason
+        logger.warning("futex %s; shared-memory waits fall back to sleeps of %.0f ms "
+                       "(idle readers wake up to %.0f times a second, and a wake-up takes "
+                       "up to that long)", reason, FALLBACK_SLEEP_S * 1e3, 1 / FALLBACK_SLEEP_S)
+
+
+def _check_result(result: int, op: str) -> None:
+    if result != -1:
+        return
+    err = ctypes.get_errno()
+    if err in _REFUSED:
+        _refuse(f"{op} was refused ({errno.errorcode.get(err, err)}: {os.strerror(err)}), "
+                "probably by a seccomp filter")
 
 
 def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
@@ -178,20 +210,26 @@ def futex_wait(addr: int, expected: int, timeout_s: float) -> None:
     """
     if timeout_s <= 0:
         return
-    if _syscall is None:
-        time.sleep(min(timeout_s, 0.001))
+    if _futex_refused is not None:
+        time.sleep(min(timeout_s, FALLBACK_SLEEP_S))
         return
+    assert _syscall is not None
     sec = int(timeout_s)
     ts = _Timespec(sec, int((timeout_s - sec) * 1e9))
-    _syscall(_futex_nr, ctypes.c_void_p(addr), _FUTEX_WAIT,
-             ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+    result = _syscall(_futex_nr, ctypes.c_void_p(addr), _FUTEX_WAIT,
+                      ctypes.c_uint32(expected & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+    _check_result(result, "FUTEX_WAIT")
+    if _futex_refused is not None:  # refused just now: this wait still sleeps
+        time.sleep(min(timeout_s, FALLBACK_SLEEP_S))
 
 
 def futex_wake(addr: int) -> None:
     """Wake every process and thread sleeping on the u32 at ``addr``."""
-    if _syscall is None:
+    if _futex_refused is not None:
         return
-    _syscall(_futex_nr, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+    assert _syscall is not None
+    result = _syscall(_futex_nr, ctypes.c_void_p(addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+    _check_result(result, "FUTEX_WAKE")
 
 
 def low_word_offset(offset: int) -> int:

@@ -1,28 +1,132 @@
-"""The writer's half of the queue protocol: publish a message, wait for space.
+"""The writer end of a queue: create the segment, publish messages, wait for space.
 
-See ``message_queue`` for the protocol as a whole; the numbered steps there
-are the body of :meth:`WriterEnd.enqueue`.
+See ``message_queue`` for the protocol as a whole; the writer's column of the
+table there is the body of :meth:`MessageQueueWriter.enqueue`.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from typing import Any
 
 from mpexec.ipc import layout, sync
-from mpexec.ipc.endpoint import QueueEnd
-from mpexec.ipc.serialization import Frame, frame_of, write_into
+from mpexec.ipc.bulk import BulkWriter
+from mpexec.ipc.layout import RingLayout
+from mpexec.ipc.message_queue import (
+    DEFAULT_LOG_INTERVAL_S,
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_SPIN_S,
+    DEFAULT_TICK_S,
+    Handle,
+    MessageQueue,
+)
+from mpexec.ipc.serialization import EncodedMessage, Frame, frame_of, write_into
+from mpexec.ipc.shm import Segment, segment_name
 
 
-class WriterEnd(QueueEnd):
-    """``enqueue`` and what it needs; mixed into ``MessageQueue``."""
+class MessageQueueWriter(MessageQueue):
+    """The writer end: ``export_handle``, ``encode``, ``enqueue``, ``broadcast_object``.
+
+    ``n_reader`` readers in all, ``n_local_reader`` of them on this machine
+    (remote readers come with the multi-node transport: until then the two
+    must be equal); ``local_reader_ranks`` are the ranks readers attach as
+    (default ``0..n_local_reader-1``).  The segment holds ``max_chunks``
+    chunks of ``max_chunk_bytes``; a larger message goes through a bulk
+    segment of its own.  A segment that cannot fit in the memory this process
+    may use fails here with an ``OSError`` naming the queue, the MiB needed
+    and the limit that applies.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        *,
+        name: str = "mq",
+        spin_s: float = DEFAULT_SPIN_S,
+        tick_s: float = DEFAULT_TICK_S,
+        log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+    ) -> None:
+        if n_reader < 1:
+            raise ValueError(f"n_reader must be >= 1, got {n_reader}")
+        if not 0 <= n_local_reader <= n_reader:
+            raise ValueError(
+                f"n_local_reader must be in [0, n_reader={n_reader}], got {n_local_reader}")
+        if n_local_reader != n_reader:
+            raise NotImplementedError(
+                f"queue {name!r}: {n_reader - n_local_reader} of its {n_reader} readers are "
+                "remote (n_local_reader < n_reader); remote readers need the multi-node "
+                "transport, which this version of mpexec does not have yet")
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if len(local_reader_ranks) != n_local_reader or len(set(local_reader_ranks)) != len(
+                local_reader_ranks):
+            raise ValueError(
+                f"local_reader_ranks must be {n_local_reader} distinct ranks, "
+                f"got {local_reader_ranks}")
+        sync.check_fences()
+        geometry = RingLayout(n_local_reader, max_chunks, max_chunk_bytes)
+        segment = Segment.create(segment_name(name), geometry.total_bytes,
+                                 f"queue {name!r} ({max_chunks} chunks of {max_chunk_bytes} "
+                                 "bytes)")
+        token = secrets.randbits(63)
+        cells = segment.cells
+        cells[layout.N_READERS_CELL] = n_local_reader
+        cells[layout.MAX_CHUNKS_CELL] = max_chunks
+        cells[layout.CHUNK_BYTES_CELL] = max_chunk_bytes
+        cells[layout.WRITER_PID_CELL] = os.getpid()
+        cells[layout.TOKEN_CELL] = token
+        sync.full_fence()
+        cells[layout.MAGIC_CELL] = layout.MAGIC
+        self._setup(segment, geometry, name, reader_index=None, writer_pid=os.getpid(),
+                    spin_s=spin_s, tick_s=tick_s, log_interval_s=log_interval_s)
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.local_reader_ranks = list(local_reader_ranks)
+        self._token = token
+        self._bulk = BulkWriter(name, self._bulk_released)
+
+    def export_handle(self) -> Handle:
+        return Handle(
+            local_reader_ranks=list(self.local_reader_ranks),
+            buffer=self._segment.ref(),
+            n_reader=self.n_reader,
+            max_chunks=self._layout.max_chunks,
+            max_chunk_bytes=self._layout.chunk_bytes,
+            token=self._token,
+            name=self.name,
+        )
+
+    def encode(self, obj: Any) -> EncodedMessage:
+        """Pickle ``obj`` now; ``enqueue`` of the result pickles nothing.
+
+        The message refers to the buffers of ``obj`` (arrays, tensors, large
+        ``bytes``) without copying them until it is enqueued: do not change
+        them in between.  Raises the pickling error, as ``enqueue`` would.
+        """
+        self._check_open()
+        return EncodedMessage(self._encoder.dump(obj))
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        self.enqueue(obj)
+        return obj
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Broadcast ``obj`` to every reader; blocks while the ring is full."""
-        if self._closed or not self._is_writer:
-            self._require_writer("enqueue")
+        """Broadcast ``obj`` to every reader; blocks while the ring is full.
+
+        ``obj`` may be an :class:`EncodedMessage` from :meth:`encode`, sent as
+        encoded.  On ``TimeoutError`` nothing was published: retrying the
+        same encoded message is safe and pickles nothing again.
+        """
+        if self._closed:
             self._check_open()
-        data = self._encoder.dump(obj)
+        data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
         self._busy = True
         try:
             seq = self._seq
@@ -62,6 +166,21 @@ class WriterEnd(QueueEnd):
                     break
         finally:
             self._busy = False
+
+    def _handshake(self, deadline: float | None) -> None:
+        cells = self._cells
+        state_cells = [self._layout.reader_cell(r, layout.STATE)
+                       for r in range(self._layout.n_readers)]
+        self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
+                   None, None, deadline, self._check_all_readers,
+                   "wait_until_ready (readers attaching)")
+        sync.release_fence()
+        cells[layout.READY_CELL] = 1
+        sync.full_fence()
+        sync.futex_wake(self._ready_addr)
+
+    def _mark_closed(self) -> None:
+        self._cells[layout.CLOSED_CELL] = 1
 
     def _put_bulk(self, frame: Frame, seq: int, head: int) -> None:
         assert self._bulk is not None
