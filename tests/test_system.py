@@ -239,13 +239,13 @@ THREAD_VAR_CASES = [
 def test_thread_vars(
     num_threads: int | None, environ: dict[str, str], expected: dict[str, str]
 ) -> None:
-    assert system.threads._thread_vars(num_threads, environ) == expected
+    assert system.thread_vars(num_threads, environ) == expected
 
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_thread_vars_rejects_non_positive(bad: int) -> None:
     with pytest.raises(ValueError, match="num_threads"):
-        system.threads._thread_vars(bad, {})
+        system.thread_vars(bad, {})
 
 
 def test_apply_thread_env_in_child_sets_an_imported_torch(

@@ -57,12 +57,12 @@ def test_parallel_config_derived_sizes() -> None:
         ({"execute_model_timeout_s": -1}, "execute_model_timeout_s"),
         ({"shutdown_grace_s": -1}, "shutdown_grace_s"),
         ({"mq_max_chunks": 0}, "mq_max_chunks"),
-        ({"mq_spin_s": -0.1}, "mq_spin_s must be in"),
+        ({"mq_spin_s": -0.1}, "mq_spin_s must be"),
         ({"cpu_affinity": [[0]], "parallel": ParallelConfig(tensor_parallel_size=2)},
          "one per local worker"),
         ({"cpu_affinity": [[]]}, "cpu_affinity\\[0\\] is empty"),
         ({"omp_num_threads": [1, 2]}, "omp_num_threads has 2 entries"),
-        ({"omp_num_threads": 0}, "omp_num_threads must be >= 1"),
+        ({"omp_num_threads": 0}, "omp_num_threads must be an integer >= 1"),
     ],
 )
 def test_executor_config_rejects(fields: dict, message: str) -> None:

@@ -45,6 +45,7 @@ from mpexec.system.start import (
 from mpexec.system.threads import (
     THREAD_ENV_VARS,
     apply_thread_env_in_child,
+    thread_vars,
     worker_thread_env,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "running_thread_count",
     "set_parent_death_signal",
     "set_process_title",
+    "thread_vars",
     "worker_process_name",
     "worker_thread_env",
 ]

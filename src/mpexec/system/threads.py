@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def _thread_vars(num_threads: int | None, environ: Mapping[str, str]) -> dict[str, str]:
+def thread_vars(num_threads: int | None, environ: Mapping[str, str]) -> dict[str, str]:
     """The thread variables to add to ``environ`` for a worker.
 
     ``None`` means an accelerator worker (one thread: the device does the
@@ -40,7 +40,7 @@ def worker_thread_env(num_threads: int | None) -> Iterator[dict[str, str]]:
     thread that starts the workers.  Yields the variables it set (empty when
     the user set ``OMP_NUM_THREADS``).
     """
-    updates = _thread_vars(num_threads, os.environ)
+    updates = thread_vars(num_threads, os.environ)
     os.environ.update(updates)
     try:
         yield updates
