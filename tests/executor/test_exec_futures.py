@@ -10,7 +10,7 @@ import pytest
 
 from mpexec.errors import WorkerError
 from mpexec.executor.futures import CallOrder, FutureWrapper, PendingCall, UndecodableReply
-from mpexec.executor.protocol import Reply
+from mpexec.executor.protocol import Reply, decode_replies
 
 
 class FakeClock:
@@ -215,7 +215,8 @@ def test_no_reply_at_the_deadline_fails_without_waiting_past_it() -> None:
 
 def test_an_undecodable_reply_fails_only_its_call() -> None:
     calls = Calls()
-    first, second = calls.call(), calls.call()
+    first = calls.call(finish=lambda replies: decode_replies("call1", False, replies, id))
+    second = calls.call()
     original = calls.reader.read_reply
 
     def undecodable(rank: int, timeout: float | None) -> Reply:

@@ -252,8 +252,6 @@ class CallOrder:
             elif wait_deadline is not None and now >= wait_deadline:
                 raise TimeoutError(
                     f"result() of {call.method} (call {call.call_id}) timed out") from None
-        except UndecodableReply as exc:
-            self.resolve(oldest, error=_undecodable_error(oldest.method, exc))
         except Exception as exc:  # the reader failed (e.g. a worker died)
             self.resolve(oldest, error=exc)
 
@@ -264,7 +262,12 @@ class CallOrder:
         while missing:
             rank = missing[0]
             timeout = None if limit is None else max(0.0, limit - self.clock())
-            reply = read(rank, timeout)
+            try:
+                reply = read(rank, timeout)
+            except UndecodableReply as exc:
+                # Still this call's reply (it was consumed): keep reading the
+                # other ranks' so that none is left to be taken for the next call.
+                reply = (call.call_id, False, _undecodable_error(call.method, exc))
             if reply[0] < call.call_id:
                 continue  # answers a call that already timed out
             if reply[0] > call.call_id:

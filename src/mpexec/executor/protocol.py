@@ -125,6 +125,8 @@ def decode_replies(method: str, single: bool, replies: dict[int, Reply],
     """
     for rank, (_, ok, payload) in replies.items():
         if not ok:
+            if isinstance(payload, BaseException):  # made in the driver (undecodable reply)
+                raise payload
             raise worker_error(rank, pid_of(rank), method, payload)
     if single:
         return next(iter(replies.values()))[2]
