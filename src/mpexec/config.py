@@ -273,6 +273,10 @@ class ExecutorConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}; got {self.log_level!r}")
         local = self.parallel.local_world_size
         if self.cpu_affinity is not None:
+            if not isinstance(self.cpu_affinity, Sequence) or isinstance(self.cpu_affinity,
+                                                                          str):
+                raise ValueError(f"cpu_affinity must be one CPU set per local worker; got "
+                                 f"{self.cpu_affinity!r}")
             if len(self.cpu_affinity) != local:
                 raise ValueError(
                     f"cpu_affinity has {len(self.cpu_affinity)} CPU sets; it needs one per "
@@ -285,6 +289,9 @@ class ExecutorConfig:
                     _require_int(f"cpu_affinity[{rank}]", cpu, 0)
         threads = self.omp_num_threads
         if threads is not None:
+            if not isinstance(threads, (int, Sequence)) or isinstance(threads, (bool, str)):
+                raise ValueError("omp_num_threads must be an integer, one per local worker, "
+                                 f"or None; got {threads!r}")
             counts = [threads] if isinstance(threads, int) else list(threads)
             if not isinstance(threads, int) and len(counts) != local:
                 raise ValueError(

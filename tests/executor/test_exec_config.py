@@ -30,6 +30,11 @@ WORKER = "tests.executor.workers:EchoWorker"
         ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank"),
         ({"nnodes": 3, "data_parallel_size": 2}, "multiple of data_parallel_size"),
         ({"master_port": 70000}, "master_port"),
+        ({"master_port": "29500"}, "master_port must be an integer"),
+        ({"master_addr": ""}, "master_addr must be a non-empty string"),
+        ({"backend": None}, "backend must be a non-empty string"),
+        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size must be an integer"),
+        ({"enable_expert_parallel": "no"}, "enable_expert_parallel must be True or False"),
     ],
 )
 def test_parallel_config_rejects(fields: dict, message: str) -> None:
@@ -63,6 +68,27 @@ def test_parallel_config_derived_sizes() -> None:
         ({"cpu_affinity": [[]]}, "cpu_affinity\\[0\\] is empty"),
         ({"omp_num_threads": [1, 2]}, "omp_num_threads has 2 entries"),
         ({"omp_num_threads": 0}, "omp_num_threads must be an integer >= 1"),
+        # Every field up front: typed, finite, in range, named in the message.
+        ({"shutdown_grace_s": float("nan")}, "shutdown_grace_s must be a finite number"),
+        ({"shutdown_term_s": float("inf")}, "shutdown_term_s must be a finite number"),
+        ({"shutdown_grace_s": "4"}, "shutdown_grace_s must be a finite number"),
+        ({"shutdown_grace_s": 10**9}, "shutdown_grace_s must be at most"),
+        ({"startup_timeout_s": float("nan")}, "startup_timeout_s must be a finite number"),
+        ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be a finite number"),
+        ({"execute_model_timeout_s": float("nan")}, "execute_model_timeout_s"),
+        ({"check_health_timeout_s": True}, "check_health_timeout_s"),
+        ({"mq_max_chunk_bytes": 1}, r"mq_max_chunk_bytes must be an integer in \[1024"),
+        ({"mq_max_chunk_bytes": 2**40}, "mq_max_chunk_bytes must be an integer in"),
+        ({"mq_max_chunk_bytes": 4096.0}, "mq_max_chunk_bytes must be an integer"),
+        ({"mq_max_chunks": 10**6}, "mq_max_chunks"),
+        ({"mq_spin_s": float("nan")}, "mq_spin_s must be a finite number"),
+        ({"monitor_workers": "yes"}, "monitor_workers must be True or False"),
+        ({"trace": 1}, "trace must be True or False"),
+        ({"shared_worker_lock": None}, "shared_worker_lock must be True or False"),
+        ({"log_level": "LOUD"}, "log_level must be one of"),
+        ({"worker_kwargs": [1]}, "worker_kwargs must be a dict"),
+        ({"cpu_affinity": [["0"]]}, r"cpu_affinity\[0\] must be an integer"),
+        ({"omp_num_threads": 2.5}, "omp_num_threads"),
     ],
 )
 def test_executor_config_rejects(fields: dict, message: str) -> None:
@@ -107,6 +133,9 @@ def test_load_envs_defaults_and_values() -> None:
         {"MPEXEC_TRACE": "maybe"},
         {"MPEXEC_WORKER_MULTIPROC_METHOD": "threads"},
         {"MPEXEC_EXECUTE_MODEL_TIMEOUT_SECONDS": "soon"},
+        {"MPEXEC_SHUTDOWN_GRACE_SECONDS": "nan"},
+        {"MPEXEC_STARTUP_TIMEOUT_SECONDS": "inf"},
+        {"MPEXEC_MQ_SPIN_SECONDS": "nan"},
     ],
 )
 def test_load_envs_names_the_bad_variable(environ: dict) -> None:
