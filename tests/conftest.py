@@ -1,9 +1,13 @@
 """Shared fixtures: the leak check every process-starting test uses.
 
 ``leak_check`` snapshots this process's children, its open file descriptors
-and the entries of ``/dev/shm`` before a test, and after it asserts (with a
-bounded wait for stragglers to exit) that nothing new is left.  Leftover
-processes are killed so that one leaky test cannot poison the next.
+(memfds included: they show as ``/memfd:mpexec-...``), its shared memory
+mappings (``/proc/self/maps``: a mapped memfd outlives its descriptor) and
+the ``/dev/shm`` entries this process owns, before a test; after it, it
+asserts (with a bounded wait for stragglers to exit) that nothing new is
+left.  Only this process's own entries count in ``/dev/shm``: other test
+sessions on the same machine create and remove theirs at any time.
+Leftover processes are killed so that one leaky test cannot poison the next.
 """
 
 from __future__ import annotations
@@ -66,10 +70,30 @@ def open_fds() -> dict[int, str]:
 
 
 def shm_entries() -> set[str]:
+    """``/dev/shm`` entries this process or its descendants hold open or mapped,
+    plus every memfd or shared-memory mapping of this process."""
+    found: set[str] = set()
+    for pid in {os.getpid(), *descendants(os.getpid())}:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and ("/memfd:" in parts[5] or parts[5].startswith("/dev/shm/")):
+                found.add(f"{pid}:{parts[5]}" if pid != os.getpid() else parts[5])
     try:
-        return set(os.listdir("/dev/shm"))
+        mine = os.getuid()
+        for entry in os.listdir("/dev/shm"):
+            path = f"/dev/shm/{entry}"
+            try:
+                if os.stat(path).st_uid == mine and entry.startswith("mpexec"):
+                    found.add(path)
+            except OSError:
+                continue
     except FileNotFoundError:
-        return set()
+        pass
+    return found
 
 
 def _leftovers(before_children: set[int], before_fds: dict[int, str],
@@ -110,5 +134,5 @@ def leak_check() -> Iterator[None]:
     if fds:
         problems.append(f"file descriptors left: {fds}")
     if shm:
-        problems.append(f"/dev/shm entries left: {sorted(shm)}")
+        problems.append(f"shared memory left (mappings, /dev/shm): {sorted(shm)}")
     assert not problems, "; ".join(problems)

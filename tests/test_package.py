@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,20 @@ def test_readme_quick_start_runs(tmp_path: Path) -> None:
     assert lines[0] == "[49, 49]"
     assert lines[2] == "9"
     assert lines[3].startswith("MethodStats(calls=2")
+
+
+def test_setproctitle_is_a_core_dependency() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("setproctitle") for dep in project["dependencies"])
+
+
+def test_executor_imports_without_torch() -> None:
+    result = run_python("-c", textwrap.dedent("""
+        import sys
+        import mpexec.executor, mpexec.executor.multiproc, mpexec.executor.worker_proc
+        import mpexec.system
+        assert "torch" not in sys.modules, "executor imported torch"
+    """))
+    assert result.returncode == 0, result.stderr

@@ -6,6 +6,7 @@ import errno
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,7 @@ def test_maybe_force_spawn_leaves_non_fork_alone(method: str) -> None:
 
 
 def test_maybe_force_spawn_keeps_fork_when_safe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(system, "running_thread_count", lambda: 1)
+    monkeypatch.setattr(system.start, "running_thread_count", lambda: 1)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert system.maybe_force_spawn("fork") == "fork"
 
@@ -85,7 +86,7 @@ def test_maybe_force_spawn_with_cuda_initialised(
 ) -> None:
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(system, "running_thread_count", lambda: 1)
+    monkeypatch.setattr(system.start, "running_thread_count", lambda: 1)
     with caplog.at_level(logging.WARNING, logger="mpexec.system"):
         assert system.maybe_force_spawn("fork") == "spawn"
     assert "CUDA is already initialised" in caplog.text
@@ -150,7 +151,7 @@ def test_set_process_title_never_raises(monkeypatch: pytest.MonkeyPatch) -> None
         raise OSError(errno.EPERM, "not allowed")
 
     monkeypatch.setitem(sys.modules, "setproctitle", None)
-    monkeypatch.setattr(system, "_prctl_set_name", broken)
+    monkeypatch.setattr(system.names, "_prctl_set_name", broken)
     system.set_process_title("Worker")
 
 
@@ -220,7 +221,6 @@ def clean_thread_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for var in system.THREAD_ENV_VARS:
         monkeypatch.setenv(var, "0")  # recorded, so the original is restored after
         monkeypatch.delenv(var)
-    monkeypatch.setattr(system, "_warned_thread_reduction", False)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     return monkeypatch
 
@@ -239,51 +239,24 @@ THREAD_VAR_CASES = [
 def test_thread_vars(
     num_threads: int | None, environ: dict[str, str], expected: dict[str, str]
 ) -> None:
-    assert system._thread_vars(num_threads, environ) == expected
+    assert system.thread_vars(num_threads, environ) == expected
 
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_thread_vars_rejects_non_positive(bad: int) -> None:
     with pytest.raises(ValueError, match="num_threads"):
-        system._thread_vars(bad, {})
+        system.thread_vars(bad, {})
 
 
-def test_set_worker_thread_env_for_accelerators(
-    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_apply_thread_env_in_child_sets_an_imported_torch(
+    clean_thread_env: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
-    fake_torch = types.SimpleNamespace(get_num_threads=lambda: 16, set_num_threads=calls.append)
-    clean_thread_env.setitem(sys.modules, "torch", fake_torch)
-    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
-        system.set_worker_thread_env(None)
-        clean_thread_env.delenv("OMP_NUM_THREADS")
-        system.set_worker_thread_env(None)
-    assert os.environ["OMP_NUM_THREADS"] == "1"
-    assert os.environ["MKL_NUM_THREADS"] == "1"
-    assert calls == [1, 1]
-    warnings = [r for r in caplog.records if "set OMP_NUM_THREADS to tune" in r.getMessage()]
-    assert len(warnings) == 1  # once per process
-    assert "from 16 threads" in warnings[0].getMessage()
-
-
-def test_set_worker_thread_env_respects_user(
-    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    clean_thread_env.setenv("OMP_NUM_THREADS", "6")
-    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
-        system.set_worker_thread_env(None)
-    assert os.environ["OMP_NUM_THREADS"] == "6"
-    assert "MKL_NUM_THREADS" not in os.environ
-    assert caplog.records == []
-
-
-def test_set_worker_thread_env_for_cpu_workers(
-    clean_thread_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="mpexec.system"):
-        system.set_worker_thread_env(3)
-    assert os.environ["OMP_NUM_THREADS"] == "3"
-    assert caplog.records == []
+    clean_thread_env.setitem(sys.modules, "torch", types.SimpleNamespace(
+        set_num_threads=calls.append))
+    system.apply_thread_env_in_child({"OMP_NUM_THREADS": "3"})
+    system.apply_thread_env_in_child({})
+    assert calls == [3]
 
 
 def test_worker_thread_env_is_temporary(clean_thread_env: pytest.MonkeyPatch) -> None:
@@ -383,8 +356,8 @@ def test_apply_cpu_affinity_rejects_empty() -> None:
     ],
 )
 def test_cpu_range_round_trip(text: str, cpus: set[int], ranges: str) -> None:
-    assert system._parse_ranges(text) == cpus
-    assert system._ranges(cpus) == ranges
+    assert system.procs._parse_ranges(text) == cpus
+    assert system.procs._ranges(cpus) == ranges
 
 
 def test_online_cpus_includes_ours() -> None:
@@ -430,3 +403,52 @@ def test_process_gone() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)
     assert process_gone(child.pid)
+
+
+def test_process_group_helpers_in_a_child() -> None:
+    result = run_python("""
+        import os, signal, subprocess, time
+        from mpexec import system
+        assert system.become_group_leader()
+        assert os.getpgrp() == os.getpid()
+        child = subprocess.Popen(["sleep", "30"])
+        assert system.kill_process_group(os.getpid(), signal.SIGTERM) is True
+    """)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+
+
+def test_kill_process_group_refuses_a_group_it_does_not_lead() -> None:
+    if os.getpgrp() == os.getpid():
+        pytest.skip("the test process leads its own group")
+    assert system.kill_process_group(os.getpgrp()) is False
+    assert system.kill_process_group(0) is False
+
+
+def test_open_pidfd_becomes_readable_at_exit() -> None:
+    import select
+
+    proc = subprocess.Popen(["sleep", "30"])
+    fd = system.open_pidfd(proc.pid)
+    if fd is None:
+        proc.kill()
+        proc.wait(10)
+        pytest.skip("no pidfd_open here")
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        assert poller.poll(0) == []
+        proc.kill()
+        assert poller.poll(10_000)
+    finally:
+        os.close(fd)
+        proc.wait(10)
+
+
+def test_set_parent_death_signal_in_a_child() -> None:
+    result = run_python("""
+        import os, signal
+        from mpexec import system
+        assert system.set_parent_death_signal(signal.SIGTERM, os.getppid())
+        assert not system.set_parent_death_signal(signal.SIGTERM, os.getppid() + 1)
+    """)
+    assert result.returncode == 0, result.stderr

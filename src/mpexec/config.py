@@ -12,6 +12,7 @@ x pipeline_parallel_size (2) x prefill_context_parallel_size (1)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,13 +22,53 @@ if TYPE_CHECKING:
 
 START_METHODS = ("fork", "spawn", "forkserver")
 DEVICE_TYPES = ("cuda", "cpu")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A chunk must hold its header and a small call; past 1 GiB a chunk is a
+# typo, not a tuning (large payloads travel in bulk segments anyway).
+MIN_CHUNK_BYTES = 1024
+MAX_CHUNK_BYTES = 2**30
+MAX_CHUNKS = 4096
+# Each shutdown step waits at most this long (an hour): beyond it, a typo.
+MAX_SHUTDOWN_STEP_S = 3600.0
 
 
 def _require_positive(owner: object, *names: str) -> None:
     for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        _require_int(name, getattr(owner, name), 1)
+
+
+def _require_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """``value`` is an int (not a bool) in ``[lo, hi]``, or ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {bound}; got {value!r}")
+
+
+def _require_seconds(name: str, value: Any, *, positive: bool, optional: bool = False,
+                     most: float | None = None) -> None:
+    """A finite number of seconds (> 0 or >= 0), or ValueError naming ``name``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value):
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be a finite number of seconds{none}; got {value!r}")
+    if (positive and value <= 0) or value < 0:
+        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}; got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"{name} must be at most {most:g} s; got {value!r}")
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+def _require_str(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string; got {value!r}")
 
 
 @dataclass
@@ -65,6 +106,12 @@ class ParallelConfig:
             "data_parallel_size",
             "nnodes",
         )
+        _require_int("data_parallel_rank", self.data_parallel_rank, 0)
+        _require_int("node_rank", self.node_rank, 0)
+        _require_bool("enable_expert_parallel", self.enable_expert_parallel)
+        _require_str("master_addr", self.master_addr)
+        _require_int("master_port", self.master_port, 0, 65535)
+        _require_str("backend", self.backend)
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank ({self.data_parallel_rank}) must be in "
@@ -79,10 +126,6 @@ class ParallelConfig:
                 f"decode_context_parallel_size ({self.decode_context_parallel_size}) must "
                 f"divide tensor_parallel_size ({self.tensor_parallel_size})"
             )
-        if not 0 <= self.master_port <= 65535:
-            raise ValueError(f"master_port must be in [0, 65535]; got {self.master_port}")
-        if not self.backend:
-            raise ValueError("backend must name a torch.distributed backend, e.g. 'gloo'")
         dp, nodes = self.data_parallel_size, self.nnodes
         if nodes >= dp and nodes % dp:
             raise ValueError(
@@ -134,6 +177,9 @@ class SchedulerConfig:
     # replies from a separate thread and two batches may be in flight.
     async_scheduling: bool = False
 
+    def __post_init__(self) -> None:
+        _require_bool("async_scheduling", self.async_scheduling)
+
 
 @dataclass
 class ExecutorConfig:
@@ -178,6 +224,11 @@ class ExecutorConfig:
     # all workers (every worker replies to execute_model / sample_tokens).
     aggregate_kv_outputs: bool = False
 
+    # Give the workers of one node a multiprocessing lock
+    # (WorkerContext.shared_worker_lock); it lives in /dev/shm, so only on request.
+    shared_worker_lock: bool = False
+
+    # OpenTelemetry spans in this executor and its workers (not process-wide).
     trace: bool = False
     log_level: str = "INFO"
 
@@ -195,20 +246,37 @@ class ExecutorConfig:
             )
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device_type must be one of {DEVICE_TYPES}; got {self.device_type!r}")
-        for name in ("check_health_timeout_s", "startup_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
-        for name in ("shutdown_grace_s", "shutdown_term_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
-        timeout = self.execute_model_timeout_s
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"execute_model_timeout_s must be > 0 or None; got {timeout}")
-        _require_positive(self, "mq_max_chunk_bytes", "mq_max_chunks")
-        if not 0 <= self.mq_spin_s <= 1:
-            raise ValueError(f"mq_spin_s must be in [0, 1] seconds; got {self.mq_spin_s}")
+        if not isinstance(self.worker_kwargs, dict):
+            raise ValueError(f"worker_kwargs must be a dict; got {self.worker_kwargs!r}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"parallel must be a ParallelConfig; got {self.parallel!r}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler must be a SchedulerConfig; got {self.scheduler!r}")
+        if not isinstance(self.executor_backend, (str, type)):
+            raise ValueError("executor_backend must be a name or an Executor subclass; got "
+                             f"{self.executor_backend!r}")
+        _require_seconds("execute_model_timeout_s", self.execute_model_timeout_s,
+                         positive=True, optional=True)
+        _require_seconds("check_health_timeout_s", self.check_health_timeout_s, positive=True)
+        _require_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
+        _require_seconds("shutdown_grace_s", self.shutdown_grace_s, positive=False,
+                         most=MAX_SHUTDOWN_STEP_S)
+        _require_seconds("shutdown_term_s", self.shutdown_term_s, positive=False,
+                         most=MAX_SHUTDOWN_STEP_S)
+        _require_int("mq_max_chunk_bytes", self.mq_max_chunk_bytes, MIN_CHUNK_BYTES,
+                     MAX_CHUNK_BYTES)
+        _require_int("mq_max_chunks", self.mq_max_chunks, 1, MAX_CHUNKS)
+        _require_seconds("mq_spin_s", self.mq_spin_s, positive=False, most=1.0)
+        for name in ("monitor_workers", "aggregate_kv_outputs", "shared_worker_lock", "trace"):
+            _require_bool(name, getattr(self, name))
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}; got {self.log_level!r}")
         local = self.parallel.local_world_size
         if self.cpu_affinity is not None:
+            if not isinstance(self.cpu_affinity, Sequence) or isinstance(self.cpu_affinity,
+                                                                          str):
+                raise ValueError(f"cpu_affinity must be one CPU set per local worker; got "
+                                 f"{self.cpu_affinity!r}")
             if len(self.cpu_affinity) != local:
                 raise ValueError(
                     f"cpu_affinity has {len(self.cpu_affinity)} CPU sets; it needs one per "
@@ -217,16 +285,21 @@ class ExecutorConfig:
             for rank, cpus in enumerate(self.cpu_affinity):
                 if not cpus:
                     raise ValueError(f"cpu_affinity[{rank}] is empty; give at least one CPU")
+                for cpu in cpus:
+                    _require_int(f"cpu_affinity[{rank}]", cpu, 0)
         threads = self.omp_num_threads
         if threads is not None:
+            if not isinstance(threads, (int, Sequence)) or isinstance(threads, (bool, str)):
+                raise ValueError("omp_num_threads must be an integer, one per local worker, "
+                                 f"or None; got {threads!r}")
             counts = [threads] if isinstance(threads, int) else list(threads)
             if not isinstance(threads, int) and len(counts) != local:
                 raise ValueError(
                     f"omp_num_threads has {len(counts)} entries; it needs one per local "
                     f"worker (local_world_size = {local}) or a single integer"
                 )
-            if any(c < 1 for c in counts):
-                raise ValueError(f"omp_num_threads must be >= 1; got {threads!r}")
+            for count in counts:
+                _require_int("omp_num_threads", count, 1)
 
     def omp_threads_for(self, local_rank: int) -> int | None:
         """OpenMP threads for one local worker (None: the accelerator default)."""

@@ -31,6 +31,7 @@ MPEXEC_TRACE                             0          OpenTelemetry spans around
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ def _parse_optional_seconds(text: str) -> float | None:
 
 def _parse_seconds(text: str) -> float:
     value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number of seconds")
     if value <= 0:
         raise ValueError("must be > 0")
     return value
@@ -81,7 +84,7 @@ def _parse_seconds(text: str) -> float:
 
 def _parse_spin_seconds(text: str) -> float:
     value = float(text)
-    if not 0 <= value <= 1:
+    if not math.isfinite(value) or not 0 <= value <= 1:
         raise ValueError("must be in [0, 1] seconds")
     return value
 

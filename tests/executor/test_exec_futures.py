@@ -1,14 +1,16 @@
-"""FutureWrapper ordering and deadlines, with a fake clock and fake replies."""
+"""The call order: futures and blocking calls, ordering and deadlines, with a fake
+clock and fake replies (no processes)."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import Any
 
 import pytest
 
-from mpexec.executor.futures import FutureWrapper, Reply
+from mpexec.errors import WorkerError
+from mpexec.executor.futures import CallOrder, FutureWrapper, PendingCall, UndecodableReply
+from mpexec.executor.protocol import Reply, decode_replies
 
 
 class FakeClock:
@@ -54,16 +56,27 @@ class Calls:
     def __init__(self) -> None:
         self.clock = FakeClock()
         self.reader = FakeReader(self.clock)
-        self.queue: deque[FutureWrapper] = deque()
-        self.lock = threading.Lock()
+        self.order = CallOrder(self.reader, clock=self.clock)
         self.next_id = 0
 
-    def call(self, ranks: tuple[int, ...] = (0,), timeout: float | None = None) -> FutureWrapper:
+    def record(self, ranks: tuple[int, ...] = (0,), timeout: float | None = None,
+               finish: Any = values) -> PendingCall:
         self.next_id += 1
         deadline = None if timeout is None else self.clock.now + timeout
-        return FutureWrapper(self.queue, self.lock, self.reader, call_id=self.next_id,
-                             ranks=ranks, deadline=deadline, finish=values,
-                             method=f"call{self.next_id}", timeout=timeout, clock=self.clock)
+        return PendingCall(self.next_id, f"call{self.next_id}", ranks, deadline, finish,
+                           timeout)
+
+    def call(self, ranks: tuple[int, ...] = (0,), timeout: float | None = None,
+             finish: Any = values) -> FutureWrapper:
+        record = self.record(ranks, timeout, finish)
+        future = FutureWrapper(self.order, record)
+        self.order.add(record)
+        return future
+
+    def blocking(self, ranks: tuple[int, ...] = (0,)) -> PendingCall:
+        record = self.record(ranks)
+        self.order.add(record)
+        return record
 
 
 def test_asking_a_later_future_resolves_the_earlier_ones_in_order() -> None:
@@ -76,7 +89,7 @@ def test_asking_a_later_future_resolves_the_earlier_ones_in_order() -> None:
     assert [f.done() for f in futures] == [True, True, True]
     assert futures[0].result() == ["r0-1", "r1-1"]
     assert [cid for _, cid in calls.reader.reads] == [1, 1, 2, 2, 3, 3]
-    assert not calls.queue
+    assert len(calls.order) == 0
 
 
 def test_call_deadline_fails_the_call_and_its_late_reply_is_dropped() -> None:
@@ -126,8 +139,7 @@ def test_worker_failure_payload_goes_through_finish() -> None:
             raise RuntimeError(payload)
         return payload
 
-    future = FutureWrapper(calls.queue, calls.lock, calls.reader, call_id=1, ranks=(0,),
-                           deadline=None, finish=finish, clock=calls.clock)
+    future = calls.call(finish=finish)
     calls.reader.add(0, 1, "it broke", ok=False)
     with pytest.raises(RuntimeError, match="it broke"):
         future.result()
@@ -162,9 +174,69 @@ def test_a_reply_for_a_later_call_is_a_protocol_error_and_is_kept() -> None:
 def test_fail_from_another_thread_wakes_nobody_twice() -> None:
     calls = Calls()
     futures = [calls.call() for _ in range(3)]
-    for f in list(calls.queue):
-        f.fail(RuntimeError("worker died"))
-    assert not calls.queue
+    calls.order.fail_all(lambda: RuntimeError("worker died"))
+    assert len(calls.order) == 0
+    errors = []
     for f in futures:
-        with pytest.raises(RuntimeError, match="worker died"):
+        assert f.done()  # completed by fail_all itself, nobody asked
+        with pytest.raises(RuntimeError, match="worker died") as info:
             f.result()
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == 3  # one exception instance per call
+
+
+def test_blocking_and_non_blocking_calls_share_one_order() -> None:
+    calls = Calls()
+    early = calls.call()
+    mine = calls.blocking()
+    calls.reader.add(0, 1, "one")
+    calls.reader.add(0, 2, "two")
+    calls.order.wait(mine)
+    assert mine.outcome() == ["two"]
+    assert early.done() and early.result() == ["one"]
+
+
+def test_a_reply_waiting_exactly_at_the_deadline_is_returned() -> None:
+    calls = Calls()
+    future = calls.call(timeout=1.0)
+    calls.reader.add(0, 1, "just in time", at=1.0)
+    calls.clock.now = 1.0  # the deadline, with the reply already there
+    assert future.result() == ["just in time"]
+
+
+def test_no_reply_at_the_deadline_fails_without_waiting_past_it() -> None:
+    calls = Calls()
+    future = calls.call(timeout=1.0)
+    calls.reader.add(0, 1, "late", at=1.5)
+    with pytest.raises(TimeoutError, match="timed out after 1s"):
+        future.result()
+    assert calls.clock.now == pytest.approx(1.0)
+
+
+def test_an_undecodable_reply_fails_only_its_call() -> None:
+    calls = Calls()
+    first = calls.call(finish=lambda replies: decode_replies("call1", False, replies, id))
+    second = calls.call()
+    original = calls.reader.read_reply
+
+    def undecodable(rank: int, timeout: float | None) -> Reply:
+        calls.reader.read_reply = original  # type: ignore[method-assign]
+        raise UndecodableReply(rank, 1234, ValueError("no such class here"))
+
+    calls.reader.read_reply = undecodable  # type: ignore[method-assign]
+    calls.reader.add(0, 2, "two")
+    with pytest.raises(WorkerError, match="rank 0 to call1 could not be unpickled") as info:
+        first.result()
+    assert info.value.rank == 0 and info.value.pid == 1234
+    assert isinstance(info.value.__cause__, ValueError)
+    assert second.result() == ["two"]
+
+
+def test_callbacks_run_without_the_reply_lock() -> None:
+    calls = Calls()
+    future = calls.call()
+    held: list[bool] = []
+    future.add_done_callback(lambda f: held.append(calls.order.lock.locked()))
+    calls.reader.add(0, 1, "x")
+    assert future.result() == ["x"]
+    assert held == [False]

@@ -127,3 +127,26 @@ def test_uniproc_executor_runs_the_worker_in_process() -> None:
     with pytest.raises(ValueError, match="world_size"):
         UniProcExecutor(config.replace(parallel=config.parallel.__class__(
             tensor_parallel_size=2)))
+
+
+def test_uniproc_passes_the_lock_and_honours_timeout() -> None:
+    config = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
+                            executor_backend="uni", shared_worker_lock=True)
+    with UniProcExecutor(config) as executor:
+        assert executor.collective_rpc(lambda w: w.shared_worker_lock is not None) == [True]
+        with pytest.raises(TimeoutError, match=r"sleep timed out after 0\.1s"):
+            executor.collective_rpc("sleep", args=(0.5,), timeout=0.1)
+        # The next call waits for the one still running, then answers.
+        assert executor.collective_rpc("echo", args=(1,), timeout=30) == [1]
+        with pytest.raises(WorkerError, match="SystemExit"):
+            executor.collective_rpc("raise_system_exit")
+        with pytest.raises(ValueError, match="unique_reply_rank"):
+            executor.collective_rpc("echo", args=(1,), unique_reply_rank=1)
+        with pytest.raises(TypeError, match="args must be a tuple"):
+            executor.collective_rpc("echo", args=[1])  # type: ignore[arg-type]
+    plain = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
+                           executor_backend="uni")
+    with UniProcExecutor(plain) as executor:
+        assert executor.collective_rpc(lambda w: w.shared_worker_lock) == [None]
+        assert executor.collective_rpc(lambda w: w.context.distributed_init_method) == [
+            "tcp://127.0.0.1:0"]

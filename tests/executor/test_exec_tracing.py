@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from mpexec.config import ExecutorConfig, ParallelConfig
-from mpexec.executor import tracing
 from mpexec.executor.multiproc import MultiprocExecutor
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -48,7 +47,6 @@ def fake_opentelemetry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
     yield
-    tracing.disable()
     for name in ("opentelemetry", "opentelemetry.trace"):
         sys.modules.pop(name, None)
 
@@ -80,8 +78,19 @@ def test_spans_around_startup_and_calls(fake_opentelemetry: Any, method: str) ->
         assert calls[-1]["method"] == "callable"
 
 
-def test_untraced_executor_has_no_span_wrapper() -> None:
-    config = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker")
-    with MultiprocExecutor(config) as ex:
-        assert "collective_rpc" not in vars(ex)
+def test_tracing_is_per_executor(fake_opentelemetry: Any) -> None:
+    """A traced executor does not switch tracing on for a later, untraced one."""
+    traced = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker", trace=True)
+    with MultiprocExecutor(traced) as ex:
+        assert ex.tracer.enabled
+    from opentelemetry import trace
+
+    before = len(trace.spans)
+    plain = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker")
+    with MultiprocExecutor(plain) as ex:
+        assert not ex.tracer.enabled
         assert ex.collective_rpc("echo", args=(1,)) == [1]
+        (spans,) = ex.collective_rpc(worker_spans)
+        # A forked worker inherits the driver's recorded spans, none of its own.
+        assert [name for _, name, _ in spans if name.startswith("worker.")] == []
+    assert len(trace.spans) == before

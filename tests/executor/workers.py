@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -35,6 +36,20 @@ class UnpicklableError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.lock = threading.Lock()
+
+
+def _refuse_outside(pid: int) -> Any:
+    """Unpickles only in process ``pid``."""
+    if os.getpid() != pid:
+        raise ValueError(f"this object cannot be unpickled outside process {pid}")
+    return "decoded"
+
+
+class OnlyHere:
+    """Pickles anywhere; unpickles only in the process that made it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_outside, (os.getpid(),))
 
 
 class _DelayedOutput(AsyncModelRunnerOutput):
@@ -91,6 +106,22 @@ class EchoWorker(WorkerBase):
     def return_unpicklable(self) -> Any:
         return threading.Lock()
 
+    def return_undecodable(self) -> Any:
+        return OnlyHere()
+
+    def raise_system_exit(self) -> None:
+        raise SystemExit(4)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start_grandchild_and_sleep(self, seconds: float, pid_file: str) -> None:
+        """Start a long-lived grandchild (it inherits our descriptors), then sleep."""
+        child = subprocess.Popen(["sleep", str(seconds)], close_fds=False)
+        with open(f"{pid_file}.{self.rank}", "w") as f:
+            f.write(f"{os.getpid()} {child.pid}\n")
+        time.sleep(seconds)
+
     def sleep(self, seconds: float, only_rank: int | None = None) -> int:
         if only_rank is None or only_rank == self.rank:
             time.sleep(seconds)
@@ -134,6 +165,9 @@ class EchoWorker(WorkerBase):
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         return ModelRunnerOutput(req_ids=["sampled"], sampled_token_ids=[[self.rank]])
+
+    def execute_dummy_batch(self) -> None:
+        time.sleep(self.kwargs.get("dummy_sleep_s", 0.0))
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return DraftTokenIds(req_ids=["r"], draft_token_ids=[[self.rank]])

@@ -11,6 +11,8 @@ implements ``_init_executor``, ``collective_rpc``, ``check_health`` and
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from mpexec.outputs import (
 )
 
 FailureCallback = Callable[[], None]
+logger = logging.getLogger(__name__)
 
 _BACKENDS = {
     "mp": "mpexec.executor.multiproc:MultiprocExecutor",
@@ -40,9 +43,6 @@ _BACKENDS = {
 
 class Executor(ABC):
     """Runs the same calls on every worker and collects their replies."""
-
-    uses_ray: bool = False
-    supports_pp: bool = False
 
     @staticmethod
     def get_class(config: ExecutorConfig) -> type[Executor]:
@@ -83,7 +83,7 @@ class Executor(ABC):
         self.config = config
         self.parallel_config = config.parallel
         self.scheduler_config = config.scheduler
-        self.is_failed = False
+        self._failed = False
         self.failure_callback: FailureCallback | None = None
         self._callback_lock = threading.Lock()
         self.kv_output_aggregator: KVOutputAggregator | None = (
@@ -151,11 +151,13 @@ class Executor(ABC):
         )
 
     def execute_dummy_batch(self) -> None:
-        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank,
+                            timeout=self.config.execute_model_timeout_s)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         result: DraftTokenIds | None = self.collective_rpc(
-            "take_draft_token_ids", unique_reply_rank=self.output_rank)
+            "take_draft_token_ids", unique_reply_rank=self.output_rank,
+            timeout=self.config.execute_model_timeout_s)
         return result
 
     def check_health(self) -> None:
@@ -164,20 +166,29 @@ class Executor(ABC):
 
     # -- failure and lifetime ------------------------------------------------------
 
+    @property
+    def is_failed(self) -> bool:
+        """True once a worker died; every later call raises ``WorkerDiedError``."""
+        return self._failed
+
     def register_failure_callback(self, callback: FailureCallback) -> None:
-        """Call ``callback`` once when the executor fails (at once if it has)."""
+        """Call ``callback`` once when the executor fails (at once if it has).
+
+        A callback that raises is logged at ERROR; it never reaches the
+        thread that noticed the failure.
+        """
         with self._callback_lock:
             if not self.is_failed:
                 self.failure_callback = callback
                 return
-        callback()
+        _run_callback(callback)
 
     def _fire_failure_callback(self) -> None:
-        """Run the registered callback; call only after setting ``is_failed``."""
+        """Run the registered callback; call only after the executor failed."""
         with self._callback_lock:
             callback, self.failure_callback = self.failure_callback, None
         if callback is not None:
-            callback()
+            _run_callback(callback)
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -205,3 +216,28 @@ class Executor(ABC):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.shutdown()
+
+
+def _run_callback(callback: FailureCallback) -> None:
+    try:
+        callback()
+    except Exception:
+        logger.exception("The executor's failure callback %r raised", callback)
+
+
+def check_call(args: Any, kwargs: Any, timeout: Any, unique_reply_rank: Any,
+               world_size: int) -> None:
+    """Refuse a malformed call before anything is broadcast (``TypeError``/``ValueError``)."""
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple; got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None; got {type(kwargs).__name__}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0 or None; "
+                         f"got {timeout!r}")
+    if unique_reply_rank is not None and (
+            isinstance(unique_reply_rank, bool) or not isinstance(unique_reply_rank, int)
+            or not 0 <= unique_reply_rank < world_size):
+        raise ValueError(f"unique_reply_rank must be a rank in [0, {world_size - 1}] "
+                         f"(world_size {world_size}) or None; got {unique_reply_rank!r}")

@@ -1,45 +1,69 @@
-"""Futures that resolve strictly in call order.
+"""Calls in flight, resolved strictly in call order: one path for every call.
 
-Protocol.  The driver broadcasts call ``n`` (a growing ``call_id``) and
-creates one :class:`FutureWrapper` for it, which it puts at the left end of a
-deque shared by all futures of the executor.  Worker ``r`` answers the calls
-it replies to in the order it received them, each reply tagged with the
-``call_id`` it answers, on its own reply queue.  Whoever wants a result -
-``result()`` on any future - takes the shared lock and completes the
-*oldest* pending future first (the right end of the deque), reading that
-call's missing replies rank by rank, until its own future is done.  So
-futures resolve in call order whichever of them is asked first.
+Protocol.  The driver broadcasts call ``n`` (``call_id`` grows by one per
+call) and appends one :class:`PendingCall` for it to the :class:`CallOrder`
+of the executor, blocking or not.  Worker ``r`` answers the calls it replies
+to in the order it received them, each reply tagged with its ``call_id``, on
+its own reply queue.  Whoever wants an outcome - a blocking caller, a
+``result()`` on a future, or the reply pump - takes ``CallOrder.lock`` and
+resolves the *oldest* pending call first, reading that call's missing
+replies rank by rank, until the call it waits for is resolved.  So calls
+resolve in call order whichever is asked first.
 
-Deadlines.  A call may carry one deadline for all of its replies; when it
-passes, the call fails with ``TimeoutError`` and leaves the deque, and a reply
-that arrives for it later is recognised by its ``call_id`` (smaller than the
-call being read) and dropped - it never answers a later call.
+A blocking call is a record and nothing more: its caller resolves it
+itself, holding the lock, which is as fast as reading the replies directly.
+A non-blocking call also gets a :class:`FutureWrapper`; while at least one
+such future is pending, the :class:`ReplyPump` thread resolves calls as
+their replies arrive, so ``done()``, ``add_done_callback``,
+``concurrent.futures.wait`` and ``asyncio.wrap_future`` work without anyone
+calling ``result()``.  The pump sleeps on a condition whenever no future is
+pending, so blocking calls never share the replies with it.
+
+Death.  ``fail_all`` resolves every pending call at once with an error of its
+own (one exception instance per call), without the lock: the reader holding
+it is woken by its queue closing and finds its call already resolved.
+
+Deadlines.  A call may carry one deadline for all of its replies.  Replies
+are always read first: a reply that is waiting when the deadline comes is
+returned; only a read that times out at the deadline fails the call with
+``TimeoutError``.  A reply that arrives for it later is recognised by its
+``call_id`` (smaller than the call being read) and dropped.
 ``result(timeout=...)`` is a separate, per-wait limit: when it passes,
-``TimeoutError`` is raised but the call stays pending with the replies
-collected so far, and a later ``result()`` carries on where this one stopped.
+``TimeoutError`` is raised but the call stays pending.
 
-The replies come from a :class:`ReplyReader` (the executor's reply queues in
-production, a fake in tests), whose ``read_reply`` raises ``TimeoutError`` at
-the timeout it is given.
+Futures are completed (``set_result``, and so their callbacks) only after
+the lock is released, so a callback may call the executor again.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
 from typing import Any, Protocol
 
-# A reply as the worker sends it: (call_id, ok, payload).
-Reply = tuple[int, bool, Any]
+from mpexec.errors import WorkerError
+from mpexec.executor.protocol import Reply, qualified_type_name
+
+
+class UndecodableReply(Exception):
+    """A reply that could not be unpickled in the driver (the read consumed it)."""
+
+    def __init__(self, rank: int, pid: int, cause: BaseException) -> None:
+        super().__init__(f"rank {rank}: {cause}")
+        self.rank = rank
+        self.pid = pid
+        self.cause = cause
 
 
 class ReplyReader(Protocol):
     def read_reply(self, rank: int, timeout: float | None) -> Reply:
-        """The next reply from ``rank``; ``TimeoutError`` at ``timeout`` seconds."""
+        """The next reply from ``rank``; ``TimeoutError`` at ``timeout`` seconds,
+        ``UndecodableReply`` when it could not be unpickled."""
 
     def unread_reply(self, rank: int, reply: Reply) -> None:
         """Put ``reply`` back so that the next ``read_reply(rank)`` returns it."""
@@ -50,127 +74,276 @@ def _earliest(*deadlines: float | None) -> float | None:
     return min(present) if present else None
 
 
-class FutureWrapper(Future[Any]):
-    """The result of one broadcast call; see the module docstring."""
+class PendingCall:
+    """One broadcast call until its outcome is known."""
 
-    def __init__(
-        self,
-        futures_queue: deque[FutureWrapper],
-        lock: threading.Lock,
-        reader: ReplyReader,
-        *,
-        call_id: int,
-        ranks: Sequence[int],
-        deadline: float | None,
-        finish: Callable[[dict[int, Reply]], Any],
-        method: str = "call",
-        timeout: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__()
+    __slots__ = ("call_id", "method", "timeout", "deadline", "missing", "replies", "finish",
+                 "done", "value", "error", "future")
+
+    def __init__(self, call_id: int, method: str, ranks: Sequence[int], deadline: float | None,
+                 finish: Callable[[dict[int, Reply]], Any], timeout: float | None = None,
+                 future: FutureWrapper | None = None) -> None:
         self.call_id = call_id
         self.method = method
+        self.timeout = timeout
         self.deadline = deadline
-        self._timeout = timeout
-        self._futures_queue = futures_queue
-        self._lock = lock
-        self._reader = reader
-        self._finish = finish
-        self._clock = clock
-        self._missing = list(ranks)
-        self._replies: dict[int, Reply] = {}
-        futures_queue.appendleft(self)
+        self.missing = list(ranks)
+        self.replies: dict[int, Reply] = {}
+        self.finish = finish
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.future = future
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class FutureWrapper(Future[Any]):
+    """The ``concurrent.futures.Future`` of one non-blocking call."""
+
+    def __init__(self, order: CallOrder, call: PendingCall) -> None:
+        super().__init__()
+        self._order = order
+        self.call = call
+        call.future = self
+
+    @property
+    def call_id(self) -> int:
+        return self.call.call_id
 
     def result(self, timeout: float | None = None) -> Any:
-        wait_deadline = None if timeout is None else self._clock() + timeout
-        while not self.done():
-            self._advance(wait_deadline)
+        if not self.done():
+            wait_deadline = None if timeout is None else self._order.clock() + timeout
+            self._order.wait(self.call, wait_deadline)
+            settle(self.call)
         return super().result(timeout=0)
 
-    def fail(self, exc: BaseException) -> None:
-        """Fail this call (if still pending) and take it out of the order.
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            with suppress(Exception):
+                self.result(timeout)
+        return super().exception(timeout=0)
 
-        Safe from any thread; the monitor uses it to fail every pending call
-        when a worker dies.
-        """
-        with suppress(InvalidStateError):
-            self.set_exception(exc)
-        self._leave_queue()
 
-    def _leave_queue(self) -> None:
-        queue = self._futures_queue
-        if queue and queue[-1] is self:
-            queue.pop()
+def settle(call: PendingCall) -> None:
+    """Complete ``call``'s future from its outcome (whoever comes first)."""
+    future = call.future
+    if future is None or not call.done:
+        return
+    with suppress(InvalidStateError):
+        if call.error is not None:
+            future.set_exception(call.error)
         else:
-            with suppress(ValueError):
-                queue.remove(self)
+            future.set_result(call.value)
 
-    def _advance(self, wait_deadline: float | None) -> None:
-        """Make one step of progress towards this future being done."""
-        if wait_deadline is None:
-            self._lock.acquire()
-        elif not self._lock.acquire(timeout=max(0.0, wait_deadline - self._clock())):
-            raise TimeoutError(f"result() of {self.method} (call {self.call_id}) timed out")
-        try:
-            if self.done():
-                return
-            if self.deadline is not None and self._clock() >= self.deadline:
-                self._expire()
-                return
-            if not self._futures_queue:
-                self.fail(RuntimeError(f"{self.method} (call {self.call_id}) lost its place"))
-                return
-            oldest = self._futures_queue[-1]
-            if oldest.done():
-                oldest._leave_queue()
-                return
-            limit = _earliest(wait_deadline, self.deadline, oldest.deadline)
+
+class CallOrder:
+    """The pending calls of one executor, oldest first; see the module docstring."""
+
+    def __init__(self, reader: ReplyReader, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lock = threading.Lock()   # whoever holds it reads replies
+        self.clock = clock
+        self._reader = reader
+        self._pending: deque[PendingCall] = deque()
+        self._mutex = threading.Lock()  # the deque and every call's outcome
+        self._futures_pending = 0
+        self._settle_later: list[PendingCall] = []
+        self.pump: ReplyPump | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, call: PendingCall) -> None:
+        with self._mutex:
+            self._pending.append(call)
+            if call.future is not None:
+                self._futures_pending += 1
+        if call.future is not None and self.pump is not None:
+            self.pump.wake()
+
+    @property
+    def futures_pending(self) -> int:
+        return self._futures_pending
+
+    def newest_future(self) -> PendingCall | None:
+        with self._mutex:
+            for call in reversed(self._pending):
+                if call.future is not None:
+                    return call
+        return None
+
+    # -- outcomes ------------------------------------------------------------------
+
+    def resolve(self, call: PendingCall, value: Any = None,
+                error: BaseException | None = None) -> bool:
+        """Set ``call``'s outcome once and take it out of the order."""
+        with self._mutex:
+            if call.done:
+                return False
+            call.value, call.error, call.done = value, error, True
+            call.replies = {}
+            pending = self._pending
+            if pending and pending[0] is call:
+                pending.popleft()
+            else:
+                with suppress(ValueError):
+                    pending.remove(call)
+            if call.future is not None:
+                self._futures_pending -= 1
+                self._settle_later.append(call)
+        return True
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> None:
+        """Fail every pending call, each with its own error; safe from any thread."""
+        with self._mutex:
+            calls = list(self._pending)
+        for call in calls:
+            self.resolve(call, error=make_error())
+        self._settle_all()
+
+    def _settle_all(self) -> None:
+        with self._mutex:
+            calls, self._settle_later = self._settle_later, []
+        for call in calls:
+            settle(call)
+
+    # -- progress --------------------------------------------------------------------
+
+    def wait(self, call: PendingCall, wait_deadline: float | None = None) -> None:
+        """Make progress until ``call`` is resolved (or ``wait_deadline`` passes)."""
+        lock = self.lock
+        while not call.done:
+            if wait_deadline is None:
+                lock.acquire()
+            elif not lock.acquire(timeout=max(0.0, wait_deadline - self.clock())):
+                raise TimeoutError(f"result() of {call.method} (call {call.call_id}) timed out")
             try:
-                oldest._collect(limit)
-            except TimeoutError:
-                now = self._clock()
-                if oldest.deadline is not None and now >= oldest.deadline:
-                    oldest._expire()
-                elif self.deadline is not None and now >= self.deadline:
-                    self._expire()
-                elif wait_deadline is not None and now >= wait_deadline:
-                    raise TimeoutError(
-                        f"result() of {self.method} (call {self.call_id}) timed out"
-                    ) from None
-            except Exception as exc:  # the reader failed (e.g. a worker died)
-                oldest.fail(exc)
-        finally:
-            self._lock.release()
+                self._step(call, wait_deadline)
+            finally:
+                lock.release()
+                if self._settle_later:
+                    self._settle_all()
 
-    def _collect(self, limit: float | None) -> None:
+    def _step(self, call: PendingCall, wait_deadline: float | None) -> None:
+        """One step towards ``call`` being resolved, with ``lock`` held."""
+        if call.done:
+            return
+        pending = self._pending
+        if not pending:
+            self.resolve(call, error=RuntimeError(
+                f"{call.method} (call {call.call_id}) lost its place"))
+            return
+        oldest = pending[0]
+        if oldest is not call and call.deadline is not None and self.clock() >= call.deadline:
+            self._expire(call)
+            return
+        limit = _earliest(wait_deadline, call.deadline, oldest.deadline)
+        try:
+            self._collect(oldest, limit)
+        except TimeoutError:
+            now = self.clock()
+            if oldest.deadline is not None and now >= oldest.deadline:
+                self._expire(oldest)
+            elif call.deadline is not None and now >= call.deadline:
+                self._expire(call)
+            elif wait_deadline is not None and now >= wait_deadline:
+                raise TimeoutError(
+                    f"result() of {call.method} (call {call.call_id}) timed out") from None
+        except Exception as exc:  # the reader failed (e.g. a worker died)
+            self.resolve(oldest, error=exc)
+
+    def _collect(self, call: PendingCall, limit: float | None) -> None:
         """Read this (oldest) call's missing replies; resolve it when complete."""
-        while self._missing:
-            rank = self._missing[0]
-            timeout = None if limit is None else max(0.0, limit - self._clock())
-            reply = self._reader.read_reply(rank, timeout)
-            if reply[0] < self.call_id:
+        missing = call.missing
+        read = self._reader.read_reply
+        while missing:
+            rank = missing[0]
+            timeout = None if limit is None else max(0.0, limit - self.clock())
+            try:
+                reply = read(rank, timeout)
+            except UndecodableReply as exc:
+                # Still this call's reply (it was consumed): keep reading the
+                # other ranks' so that none is left to be taken for the next call.
+                reply = (call.call_id, False, _undecodable_error(call.method, exc))
+            if reply[0] < call.call_id:
                 continue  # answers a call that already timed out
-            if reply[0] > self.call_id:
+            if reply[0] > call.call_id:
                 self._reader.unread_reply(rank, reply)
                 raise RuntimeError(
-                    f"rank {rank} answered call {reply[0]} before call {self.call_id} "
-                    f"({self.method}); its reply to call {self.call_id} is missing"
-                )
-            self._replies[rank] = reply
-            del self._missing[0]
-        self._leave_queue()
+                    f"rank {rank} answered call {reply[0]} before call {call.call_id} "
+                    f"({call.method}); its reply to call {call.call_id} is missing")
+            call.replies[rank] = reply
+            del missing[0]
         try:
-            value = self._finish(self._replies)
+            value = call.finish(call.replies)
         except Exception as exc:
-            with suppress(InvalidStateError):
-                self.set_exception(exc)
+            self.resolve(call, error=exc)
         else:
-            with suppress(InvalidStateError):
-                self.set_result(value)
-        finally:
-            self._replies = {}
+            self.resolve(call, value)
 
-    def _expire(self) -> None:
-        after = "" if self._timeout is None else f" after {self._timeout:g}s"
-        self._replies = {}
-        self.fail(TimeoutError(f"RPC call to {self.method} timed out{after}"))
+    def _expire(self, call: PendingCall) -> None:
+        after = "" if call.timeout is None else f" after {call.timeout:g}s"
+        self.resolve(call, error=TimeoutError(f"RPC call to {call.method} timed out{after}"))
+
+
+def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:
+    cause = exc.cause
+    error = WorkerError(
+        f"the reply of worker rank {exc.rank} to {method} could not be unpickled in the "
+        f"driver: {qualified_type_name(cause)}: {cause}",
+        rank=exc.rank, pid=exc.pid, method=method, exc_type=qualified_type_name(cause),
+        remote_traceback="".join(traceback.format_exception(cause)))
+    error.__cause__ = cause
+    return error
+
+
+class ReplyPump:
+    """Resolves calls while non-blocking futures are pending; sleeps otherwise.
+
+    Started on the first non-blocking call, so an executor used only with
+    blocking calls never runs it.
+    """
+
+    def __init__(self, order: CallOrder, name: str = "MpexecReplyPump") -> None:
+        self._order = order
+        self._cond = threading.Condition(threading.Lock())
+        self._idle = True
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        order.pump = self
+        self._thread.start()
+
+    def wake(self) -> None:
+        if self._idle:
+            with self._cond:
+                self._cond.notify()
+
+    def stop(self, join_s: float) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+
+    def _run(self) -> None:
+        order = self._order
+        while True:
+            with self._cond:
+                while True:
+                    # Idle is announced before the check: a caller that adds
+                    # a future after the check sees it and notifies.
+                    self._idle = True
+                    if self._stopped or order.futures_pending:
+                        break
+                    self._cond.wait()
+                self._idle = False
+                if self._stopped:
+                    return
+            target = order.newest_future()
+            if target is None:
+                continue
+            with suppress(TimeoutError):
+                order.wait(target)

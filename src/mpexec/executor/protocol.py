@@ -1,24 +1,33 @@
 """What the driver and a worker say to each other.
 
-Ready pipe (worker -> driver, once)::
+Ready pipe (worker -> driver, exactly one message)::
 
-    {"status": "READY", "handle": <reply queue Handle>, "peer_response_handles": [...]}
-    {"status": "FAILED", "rank": r, "exc_type": "...", "traceback": "..."}
+    Ready(rank, reply_handle)                 the worker is built; attach to its reply queue
+    StartupFailed(rank, RemoteFailure)        it raised before READY (the cause travels along)
 
-Broadcast queue (driver -> every worker), one message per call::
+Broadcast queue (driver -> every worker), one ``Call`` per call::
 
     (call_id, method, args, kwargs, output_rank)
 
 ``method`` is a method name, or the bytes of a cloudpickled callable that
 takes the worker as its first argument; ``output_rank`` None means every
-worker replies.  Reply queue (worker -> driver), one message per call this
-worker replies to, in call order::
+worker replies.  ``call_id`` grows by exactly one per broadcast, starting at
+1, so a worker always knows which call a message was even when the message
+itself cannot be unpickled (it then answers that call with a failure).
+
+Reply queue (worker -> driver), one ``Reply`` per call this worker answers,
+in call order::
 
     (call_id, True, result)            success
-    (call_id, False, RemoteFailure)    the method raised
+    (call_id, False, RemoteFailure)    the method (or decoding its arguments) raised
 
-The conversation ends when the driver closes the death pipe (or dies): the
-worker shuts its queues down, which wakes its blocked dequeue, and exits.
+``Call`` and ``Reply`` are plain tuples on the wire on purpose: a NamedTuple
+or dataclass pickles through ``copyreg`` in Python, 2.9 us against 0.4 us
+for a tuple (measured), which would add a tenth to a 17 us round trip.  The
+aliases below give them their names and types.
+
+The conversation ends when the driver closes the broadcast queue or the death
+pipe (or dies): the worker leaves its loop and exits.
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ from typing import Any
 import cloudpickle
 
 from mpexec.errors import WorkerError
+from mpexec.ipc import Handle
 
-READY_STR = "READY"
-FAILED_STR = "FAILED"
+Call = tuple[int, "str | bytes", tuple[Any, ...], dict[str, Any], "int | None"]
+Reply = tuple[int, bool, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RemoteFailure:
     """An exception raised in a worker, in a form that always pickles."""
 
@@ -57,6 +67,22 @@ class RemoteFailure:
         return exc if isinstance(exc, BaseException) else None
 
 
+@dataclass(frozen=True)
+class Ready:
+    """The worker is built and its reply queue exists."""
+
+    rank: int
+    reply_handle: Handle
+
+
+@dataclass(frozen=True)
+class StartupFailed:
+    """The worker raised before it was ready."""
+
+    rank: int
+    failure: RemoteFailure
+
+
 def qualified_type_name(exc: BaseException) -> str:
     cls = type(exc)
     if cls.__module__ == "builtins":
@@ -64,15 +90,16 @@ def qualified_type_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def capture_failure(exc: BaseException) -> RemoteFailure:
+def capture_failure(exc: BaseException, context: str = "") -> RemoteFailure:
     """Describe ``exc`` (call inside the ``except`` block that caught it)."""
     try:
         pickled: bytes | None = cloudpickle.dumps(exc)
     except Exception:
         pickled = None
+    message = str(exc)
     return RemoteFailure(
         exc_type=qualified_type_name(exc),
-        message=str(exc),
+        message=f"{context}: {message}" if context else message,
         traceback="".join(traceback.format_exception(exc)),
         pickled=pickled,
     )
@@ -88,7 +115,7 @@ def worker_error(rank: int, pid: int, method: str, failure: RemoteFailure) -> Wo
     return error
 
 
-def decode_replies(method: str, single: bool, replies: dict[int, tuple[int, bool, Any]],
+def decode_replies(method: str, single: bool, replies: dict[int, Reply],
                    pid_of: Callable[[int], int]) -> Any:
     """One call's replies as the caller gets them: one result (``single``) or a
     list in rank order; the first failure, in rank order, is raised instead.
@@ -98,6 +125,8 @@ def decode_replies(method: str, single: bool, replies: dict[int, tuple[int, bool
     """
     for rank, (_, ok, payload) in replies.items():
         if not ok:
+            if isinstance(payload, BaseException):  # made in the driver (undecodable reply)
+                raise payload
             raise worker_error(rank, pid_of(rank), method, payload)
     if single:
         return next(iter(replies.values()))[2]

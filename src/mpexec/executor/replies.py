@@ -2,80 +2,79 @@
 
 Each worker answers, on its own reply queue, the calls it replies to in the
 order it received them.  :class:`ReplyRouter` is the one place the driver
-reads those queues from.  Whoever holds its ``lock`` may read; a reply read
-ahead of need (while the driver makes room on a full broadcast ring, see
-``multiproc``) goes into a per-rank *stash*, which every later read empties
-first, so the order of each rank's replies is never disturbed.
+reads those queues from.  Whoever holds the call order's lock may read; a
+reply read ahead of need (while the driver makes room on a full broadcast
+ring, see ``multiproc``) goes into a per-rank *stash*, which every later
+read empties first, so the order of each rank's replies is never disturbed.
+
+A queue that closes under a read becomes the caller's error through
+``on_closed`` (``WorkerDiedError`` when the worker is gone); a reply that
+cannot be unpickled becomes :class:`~mpexec.executor.futures.UndecodableReply`
+for the call being read.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from mpexec.errors import QueueClosedError
-from mpexec.executor.futures import Reply
+from mpexec.executor.futures import UndecodableReply
+from mpexec.executor.protocol import Reply
 from mpexec.ipc import MessageQueue
 
 
+class _Undecodable:
+    """Stands in the stash for a reply that failed to unpickle while draining."""
+
+    __slots__ = ("cause",)
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
 class ReplyRouter:
-    """Reads replies for the futures and the direct path; see the module docstring."""
+    """Reads replies for the call order; see the module docstring."""
 
-    def __init__(self, on_closed: Callable[[int | None, QueueClosedError], Exception]) -> None:
-        # on_closed(rank, error) turns a closed queue into the caller's error
-        # (WorkerDiedError when the worker is gone, say).
+    def __init__(self, on_closed: Callable[[int, QueueClosedError], Exception],
+                 pid_of: Callable[[int], int]) -> None:
         self._on_closed = on_closed
-        self.lock = threading.Lock()
+        self._pid_of = pid_of
         self._queues: Sequence[MessageQueue] = ()
-        self._stash: list[deque[Reply]] = []
+        self._stash: list[deque[Reply | _Undecodable]] = []
+        self.lock: threading.Lock | None = None
 
-    def attach(self, queues: Sequence[MessageQueue]) -> None:
+    def attach(self, queues: Sequence[MessageQueue], lock: threading.Lock) -> None:
         self._queues = queues
         self._stash = [deque() for _ in queues]
+        self.lock = lock
 
-    # ReplyReader (see futures), called with ``lock`` held
+    # ReplyReader (see futures), called with the lock held
     def read_reply(self, rank: int, timeout: float | None) -> Reply:
         stash = self._stash[rank]
         if stash:
-            return stash.popleft()
+            item = stash.popleft()
+            if isinstance(item, _Undecodable):
+                raise UndecodableReply(rank, self._pid_of(rank), item.cause)
+            return item
         try:
             reply: Reply = self._queues[rank].dequeue(timeout=timeout)
+        except TimeoutError:
+            raise
         except QueueClosedError as exc:
             raise self._on_closed(rank, exc) from exc
+        except Exception as exc:  # the reply itself: it was consumed, unpickling failed
+            raise UndecodableReply(rank, self._pid_of(rank), exc) from exc
         return reply
 
     def unread_reply(self, rank: int, reply: Reply) -> None:
         self._stash[rank].appendleft(reply)
 
-    def read_call(self, call_id: int, ranks: tuple[int, ...], deadline: float | None,
-                  name: str, timeout: float | None) -> dict[int, Reply]:
-        """The replies of ``call_id`` from ``ranks`` (with ``lock`` held).
-
-        A reply to an earlier call - one that timed out - is dropped.
-        """
-        replies: dict[int, Reply] = {}
-        for rank in ranks:
-            while True:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    reply = self.read_reply(rank, remaining)
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"RPC call to {name} timed out after {timeout:g}s") from None
-                if reply[0] == call_id:
-                    replies[rank] = reply
-                    break
-                if reply[0] > call_id:
-                    self.unread_reply(rank, reply)
-                    raise RuntimeError(f"rank {rank} answered call {reply[0]} before call "
-                                       f"{call_id} ({name})")
-        return replies
-
     def drain(self) -> None:
         """Move every reply already waiting into the stash, unless a reader is busy."""
-        if not self.lock.acquire(blocking=False):
+        lock = self.lock
+        if lock is None or not lock.acquire(blocking=False):
             return  # whoever holds it is reading already
         try:
             for rank, mq in enumerate(self._queues):
@@ -85,7 +84,9 @@ class ReplyRouter:
                         stash.append(mq.dequeue(timeout=0))
                     except TimeoutError:
                         break
-                    except QueueClosedError as exc:
-                        raise self._on_closed(rank, exc) from exc
+                    except QueueClosedError:
+                        break  # the next read of this rank reports it
+                    except Exception as exc:
+                        stash.append(_Undecodable(exc))
         finally:
-            self.lock.release()
+            lock.release()

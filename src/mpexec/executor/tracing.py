@@ -1,10 +1,12 @@
 """Optional OpenTelemetry spans around worker start-up and calls.
 
-``span(name, **attributes)`` is a context manager.  It records a span only
-when tracing was switched on (``ExecutorConfig.trace``, from ``MPEXEC_TRACE``)
-with :func:`enable` *and* ``opentelemetry`` can be imported; otherwise it
-costs one attribute check.  The process that wants spans exported configures
-an OpenTelemetry SDK itself; this module only creates spans.
+Tracing is a setting of one executor (``ExecutorConfig.trace``, from
+``MPEXEC_TRACE``), never a switch of the process: each traced executor
+holds its own :class:`Tracer` and passes ``trace`` to its workers in their
+spec, so an untraced executor created later records nothing.  A tracer
+records spans only when ``opentelemetry`` can be imported; otherwise it is
+the no-op :data:`NO_TRACER`.  The process that wants spans exported
+configures an OpenTelemetry SDK itself; this module only creates spans.
 """
 
 from __future__ import annotations
@@ -16,36 +18,38 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_tracer: Any = None
+
+class Tracer:
+    """Creates spans for one executor (or one worker); no-op without a backend."""
+
+    def __init__(self, backend: Any = None) -> None:
+        self._backend = backend
+
+    @classmethod
+    def create(cls, enabled: bool, process_name: str) -> Tracer:
+        """A recording tracer when ``enabled`` and opentelemetry is installed."""
+        if not enabled:
+            return NO_TRACER
+        try:
+            from opentelemetry import trace  # optional dependency
+        except ImportError:
+            logger.debug("tracing is on but opentelemetry is not installed; no spans")
+            return NO_TRACER
+        return cls(trace.get_tracer(f"mpexec.{process_name}"))
+
+    @property
+    def enabled(self) -> bool:
+        return self._backend is not None
+
+    @contextlib.contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[None]:
+        """A span named ``name`` when recording, else nothing."""
+        backend = self._backend
+        if backend is None:
+            yield
+            return
+        with backend.start_as_current_span(name, attributes=attributes):
+            yield
 
 
-def enable(process_name: str) -> bool:
-    """Start recording spans in this process; False when opentelemetry is missing."""
-    global _tracer
-    try:
-        from opentelemetry import trace  # optional dependency
-    except ImportError:
-        logger.debug("MPEXEC_TRACE is set but opentelemetry is not installed; no spans")
-        return False
-    _tracer = trace.get_tracer(f"mpexec.{process_name}")
-    return True
-
-
-def disable() -> None:
-    global _tracer
-    _tracer = None
-
-
-def is_enabled() -> bool:
-    return _tracer is not None
-
-
-@contextlib.contextmanager
-def span(name: str, **attributes: Any) -> Iterator[None]:
-    """A span named ``name`` while tracing is enabled, else nothing."""
-    tracer = _tracer
-    if tracer is None:
-        yield
-        return
-    with tracer.start_as_current_span(name, attributes=attributes):
-        yield
+NO_TRACER = Tracer()

@@ -6,9 +6,9 @@ worker work out of the box.  A worker does not have to inherit from it; any
 class with the methods it is called with will do.
 
 :class:`WorkerWrapperBase` sits between an executor and the worker: it is
-created first (cheaply, knowing only its ranks), picks its own constructor
-arguments out of a list that has one entry per rank (``init_worker``), builds
-the configured worker class, and from then on forwards every attribute it
+created first (cheaply, knowing only its ranks), builds the configured worker
+class from the :class:`WorkerContext` the driver made for it
+(``init_worker_from_context``), and from then on forwards every attribute it
 does not have itself to the worker.
 """
 
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from mpexec.executor.context import WorkerContext
 
 if TYPE_CHECKING:
-    from mpexec.config import ExecutorConfig
     from mpexec.outputs import DraftTokenIds, GrammarOutput, SchedulerOutput
 
 
@@ -43,7 +42,15 @@ def resolve_class(spec: type | str, what: str = "class") -> type:
 
 
 class WorkerBase:
-    """One model shard in one process (or in the driver, for UniProcExecutor)."""
+    """One model shard in one process (or in the driver, for UniProcExecutor).
+
+    A worker may rely on: ``context`` (see :class:`WorkerContext` for what
+    each field guarantees), ``config``, ``rank``, ``local_rank``,
+    ``distributed_init_method``, ``is_driver_worker``, ``shared_worker_lock``
+    (None unless ``ExecutorConfig.shared_worker_lock``), and ``kwargs``
+    (``config.worker_kwargs``).  Its methods are called in lockstep on every
+    worker, in call order, from the process's main thread.
+    """
 
     def __init__(self, context: WorkerContext, **kwargs: Any) -> None:
         self.context = context
@@ -88,34 +95,23 @@ class WorkerWrapperBase:
         self.global_rank = rpc_rank if global_rank is None else global_rank
         self.worker: Any = None
 
-    def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
-        """Construct the worker from ``all_kwargs[self.rpc_rank]``.
+    def init_worker_from_context(self, context: WorkerContext) -> None:
+        """Build the worker: ``worker_cls(context, **config.worker_kwargs)``.
 
-        The entry holds the standard arguments (``config``, ``rank``,
-        ``local_rank``, ``distributed_init_method``, ``is_driver_worker``,
-        ``shared_worker_lock``); they become one :class:`WorkerContext`, and
-        the worker is built as ``worker_cls(context, **config.worker_kwargs)``.
+        The driver (or ``UniProcExecutor``) builds the context; see
+        ``mpexec.executor.spec.worker_contexts``.
         """
-        kwargs = dict(all_kwargs[self.rpc_rank])
-        config: ExecutorConfig = kwargs["config"]
-        parallel = config.parallel
-        local_rank = kwargs["local_rank"]
-        device = f"cuda:{local_rank}" if config.device_type == "cuda" else "cpu"
-        context = WorkerContext(
-            config=config,
-            rank=kwargs["rank"],
-            local_rank=local_rank,
-            rpc_rank=self.rpc_rank,
-            world_size=parallel.world_size,
-            local_world_size=parallel.local_world_size,
-            distributed_init_method=kwargs["distributed_init_method"],
-            backend=parallel.backend,
-            device=device,
-            is_driver_worker=kwargs.get("is_driver_worker", False),
-            shared_worker_lock=kwargs.get("shared_worker_lock"),
-        )
+        config = context.config
         worker_cls = resolve_class(config.worker_cls, "worker_cls")
         self.worker = worker_cls(context, **config.worker_kwargs)
+
+    def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
+        """Build the worker from ``all_kwargs[self.rpc_rank]``, whose ``"context"``
+        entry is its :class:`WorkerContext` (the seed's list-of-kwargs form)."""
+        context = all_kwargs[self.rpc_rank]["context"]
+        if not isinstance(context, WorkerContext):
+            raise TypeError(f"init_worker needs a WorkerContext; got {type(context).__name__}")
+        self.init_worker_from_context(context)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -1,31 +1,29 @@
 """The worker side of MultiprocExecutor: one WorkerProc per child process.
 
-Start-up, in the child (``worker_main``)::
+Start-up, in the child (``worker_main(spec)``)::
 
+    lead a new process group; arm the parent-death signal (SIGTERM) when asked
     install SIGTERM/SIGINT handlers (each turns into one SystemExit)
-    close the siblings' pipe ends inherited through fork; pin CPUs
-    start the death-pipe watcher
-    WorkerProc(): build the worker, init_device, load_model,
-                  attach the broadcast queue (reader), create the reply queue (writer)
-    ready pipe  -> {"status": "READY", "handle": reply queue handle}
+    close the siblings' pipe ends inherited through fork; pin CPUs; thread counts
+    start the death-pipe watcher (``watcher``)
+    WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
+                      load_model, attach the broadcast queue, create the reply queue
+    ready pipe  -> Ready(rank, reply handle)      (StartupFailed(rank, failure) on error)
     broadcast queue wait_until_ready, then reply queue wait_until_ready
     worker_busy_loop()
 
-If anything fails before READY, the worker sends ``{"status": "FAILED",
-"traceback": ...}`` on the ready pipe and exits with code 1, so the driver
-can report the cause at once.
-
 The busy loop: dequeue a call (waiting indefinitely), run it, and if this
-rank replies (``output_rank`` is None or this rank) send ``(call_id, ok,
-payload)`` on the reply queue - directly, or through the output thread when
-async scheduling is on, so that the next call starts while the reply (maybe
-an ``AsyncModelRunnerOutput`` still copying) goes out.
+rank replies (``output_rank`` is None or this rank) send a ``Reply`` on the
+reply queue - directly, or through the output thread when async scheduling
+is on, so that the next call starts while the reply goes out.  A call whose
+message cannot be unpickled here is still answered: call ids grow by one,
+so the worker knows which call it was and replies with the failure (every
+rank does; a reply the driver does not wait for is dropped as stale).
+``SystemExit`` raised by a method is an error reply like any other; only the
+one our own signal handler raises ends the worker.
 
-What ends it: the driver closes the death pipe (normal shutdown) or dies.
-The death-pipe watcher then shuts both queues down, the blocked dequeue
-raises ``QueueClosedError``, and the worker cleans up and exits.  If that
-happens before the queues exist (still in start-up), the watcher SIGTERMs
-its own process instead.  See ``protocol`` for the message formats.
+What ends it: the driver closes the broadcast queue or the death pipe, or
+dies (see ``watcher``).  See ``protocol`` for the message formats.
 """
 
 from __future__ import annotations
@@ -43,21 +41,30 @@ from typing import Any
 
 import cloudpickle
 
-from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError
-from mpexec.executor import tracing
 from mpexec.executor.protocol import (
-    FAILED_STR,
-    READY_STR,
+    Ready,
     RemoteFailure,
+    StartupFailed,
     capture_failure,
     qualified_type_name,
 )
 from mpexec.executor.ranks import worker_name
+from mpexec.executor.spec import WorkerSpec
+from mpexec.executor.tracing import Tracer
+from mpexec.executor.watcher import DeathPipeWatcher, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
-from mpexec.ipc import Handle, MessageQueue
+from mpexec.ipc import MessageQueue
 from mpexec.outputs import AsyncModelRunnerOutput
-from mpexec.system import apply_cpu_affinity, close_inherited_fds, decorate_logs, set_process_title
+from mpexec.system import (
+    apply_cpu_affinity,
+    apply_thread_env_in_child,
+    become_group_leader,
+    close_inherited_fds,
+    decorate_logs,
+    set_parent_death_signal,
+    set_process_title,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,84 +73,48 @@ _THREAD_JOIN_S = 2.0
 
 
 class WorkerProc:
-    """Wrapper that runs one worker in this (child) process."""
+    """Runs one worker in this (child) process."""
 
-    READY_STR = READY_STR
-
-    def __init__(
-        self,
-        config: ExecutorConfig,
-        local_rank: int,
-        rank: int,
-        distributed_init_method: str,
-        input_shm_handle: Handle,
-        shared_worker_lock: Any,
-        is_driver_worker: bool,
-    ) -> None:
-        self.config = config
-        self.rank = rank
-        self.local_rank = local_rank
+    def __init__(self, spec: WorkerSpec, tracer: Tracer, is_stopping: threading.Event) -> None:
+        self.spec = spec
+        self.config = spec.config
+        self.rank = spec.rank
+        self.local_rank = spec.context.local_rank
+        self.tracer = tracer
+        self._signalled = is_stopping
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.worker_response_mq: MessageQueue | None = None
-        self.peer_response_handles: list[Handle] = []
-        self.use_async_scheduling = config.scheduler.async_scheduling
+        self.use_async_scheduling = self.config.scheduler.async_scheduling
         self.async_output_queue: queue.Queue[Any] = queue.Queue()
         self.async_output_copy_thread: threading.Thread | None = None
-        self.worker = WorkerWrapperBase(rpc_rank=local_rank, global_rank=rank)
+        self.worker = WorkerWrapperBase(rpc_rank=self.local_rank, global_rank=self.rank)
         self._is_shut_down = False
         try:
-            self._start(distributed_init_method, input_shm_handle, shared_worker_lock,
-                        is_driver_worker)
+            self._start()
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, distributed_init_method: str, input_shm_handle: Handle,
-               shared_worker_lock: Any, is_driver_worker: bool) -> None:
-        config = self.config
-        all_kwargs: list[dict[str, Any]] = [{} for _ in range(config.parallel.local_world_size)]
-        all_kwargs[self.local_rank] = {
-            "config": config,
-            "local_rank": self.local_rank,
-            "rank": self.rank,
-            "distributed_init_method": distributed_init_method,
-            "is_driver_worker": is_driver_worker,
-            "shared_worker_lock": shared_worker_lock,
-        }
-        self.worker.init_worker(all_kwargs)
-        # Our process groups do not exist yet, so the name comes from the
-        # rank arithmetic rather than from the groups (it is the same name).
-        self.setup_proc_title_and_log_prefix(self.rank, config)
-        with tracing.span("worker.init_device", rank=self.rank):
+    def _start(self) -> None:
+        spec = self.spec
+        self.worker.init_worker_from_context(spec.context)
+        name = worker_name(self.rank, self.config.parallel)
+        set_process_title(name)
+        decorate_logs(name)
+        with self.tracer.span("worker.init_device", rank=self.rank):
             self.worker.init_device()
-        with tracing.span("worker.load_model", rank=self.rank):
+        with self.tracer.span("worker.load_model", rank=self.rank):
             self.worker.load_model()
         if self.use_async_scheduling:
             self.async_output_copy_thread = threading.Thread(
                 target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutputCopy")
             self.async_output_copy_thread.start()
-        # Last, so a multi-node setup could build them over its process groups.
-        self._init_message_queues(input_shm_handle)
-
-    def _init_message_queues(self, input_shm_handle: Handle) -> None:
-        if self.config.parallel.nnodes_within_dp != 1:
-            raise NotImplementedError("workers on several nodes are not supported yet")
         spin_s = self.config.mq_spin_s
-        self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank,
-                                                                spin_s=spin_s)
+        self.rpc_broadcast_mq = MessageQueue.create_from_handle(
+            spec.broadcast_handle, self.rank, spin_s=spin_s)
         self.worker_response_mq = MessageQueue(
-            1, 1,
-            max_chunk_bytes=self.config.mq_max_chunk_bytes,
-            max_chunks=self.config.mq_max_chunks,
-            name=f"reply{self.rank}",
-            spin_s=spin_s,
-        )
-
-    @staticmethod
-    def setup_proc_title_and_log_prefix(rank: int, config: ExecutorConfig) -> None:
-        name = worker_name(rank, config.parallel)
-        set_process_title(name)
-        decorate_logs(name)
+            1, 1, max_chunk_bytes=self.config.mq_max_chunk_bytes,
+            max_chunks=self.config.mq_max_chunks, name=f"reply{self.rank}", spin_s=spin_s)
 
     # -- replies ----------------------------------------------------------------
 
@@ -162,7 +133,7 @@ class WorkerProc:
         except QueueClosedError:
             raise
         except Exception as exc:  # the result could not be pickled: say so instead
-            mq.enqueue((call_id, False, capture_failure(exc)))
+            mq.enqueue((call_id, False, capture_failure(exc, "the result cannot be sent")))
 
     def handle_output(self, call_id: int, output: Any) -> None:
         if self.use_async_scheduling:
@@ -193,9 +164,21 @@ class WorkerProc:
         worker = self.worker
         # Synchronous replies skip the handle_output() indirection.
         handle_output = self.handle_output if self.use_async_scheduling else self.enqueue_output
-        traced = tracing.is_enabled()  # switched on (or not) before the loop starts
+        traced = self.tracer.enabled
+        last_call_id = 0
         while True:
-            call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
+            try:
+                call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
+            except QueueClosedError:
+                raise
+            except Exception as exc:  # the call arrived but could not be unpickled
+                last_call_id += 1
+                logger.warning("rank %d: call %d could not be unpickled: %s", rank,
+                               last_call_id, exc)
+                handle_output(last_call_id, capture_failure(
+                    exc, f"the arguments of call {last_call_id} could not be unpickled"))
+                continue
+            last_call_id = call_id
             replies = output_rank is None or output_rank == rank
             try:
                 if isinstance(method, str):
@@ -203,12 +186,15 @@ class WorkerProc:
                 else:
                     func = partial(cloudpickle.loads(method), worker)
                 if traced:
-                    with tracing.span("worker.call", rank=rank, call_id=call_id,
-                                      method=method if isinstance(method, str) else "callable"):
+                    with self.tracer.span("worker.call", rank=rank, call_id=call_id,
+                                          method=method if isinstance(method, str)
+                                          else "callable"):
                         output = func(*args, **kwargs)
                 else:
                     output = func(*args, **kwargs)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
+                if isinstance(exc, SystemExit) and self._signalled.is_set():
+                    raise  # our own signal handler: leave
                 logger.warning("rank %d: call %d raised %s: %s", rank, call_id,
                                qualified_type_name(exc), exc)
                 if replies:
@@ -237,144 +223,94 @@ class WorkerProc:
             logger.exception("rank %d: worker.shutdown() failed", self.rank)
 
 
-class DeathPipeWatcher:
-    """Notices the driver going away (EOF on the death pipe) and ends the worker."""
-
-    def __init__(self, death_pipe: Connection | None) -> None:
-        self._death_pipe = death_pipe
-        # Deliberately not the signal handler's flag: a worker still busy in
-        # a long method when the driver leaves must stay interruptible by
-        # the SIGTERM that follows, or only SIGKILL could end it.
-        self.stopping = threading.Event()
-        self._queues: list[MessageQueue] | None = None
-        self._lock = threading.Lock()
-        self._driver_gone = False
-
-    def start(self) -> None:
-        if self._death_pipe is None:
-            return
-        threading.Thread(target=self._run, daemon=True, name="DeathPipeMonitor").start()
-
-    def watch(self, queues: list[MessageQueue | None]) -> None:
-        """From now on, the driver going away shuts these queues down."""
-        with self._lock:
-            self._queues = [q for q in queues if q is not None]
-            driver_gone = self._driver_gone
-        if driver_gone:
-            self._shut_down_queues()
-
-    def _run(self) -> None:
-        assert self._death_pipe is not None
-        try:
-            self._death_pipe.recv()
-        except EOFError:
-            pass
-        except OSError:  # our own end was closed at exit
-            return
-        logger.debug("Death pipe closed (driver gone or shutting down); stopping queues")
-        with self._lock:
-            self._driver_gone = True
-            queues = self._queues
-        if queues is None:
-            # Still starting up: interrupt whatever the main thread is doing.
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        self._shut_down_queues()
-
-    def _shut_down_queues(self) -> None:
-        self.stopping.set()
-        for mq in self._queues or ():
-            mq.shutdown()
-
-
-def _configure_logging(config: ExecutorConfig) -> None:
+def _configure_logging(level: str) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mpexec").setLevel(config.log_level)
+    logging.getLogger("mpexec").setLevel(level)
 
 
 def _report_startup_failure(ready_writer: Connection, rank: int, exc: BaseException) -> None:
-    failure = capture_failure(exc)
     try:
-        ready_writer.send({"status": FAILED_STR, "rank": rank, "exc_type": failure.exc_type,
-                           "traceback": failure.traceback})
+        ready_writer.send(StartupFailed(rank, capture_failure(exc)))
     except OSError:  # the driver is gone or stopped listening
         pass
 
 
-def worker_main(**kwargs: Any) -> None:
+def _prepare_process(spec: WorkerSpec) -> None:
+    become_group_leader()
+    armed = spec.parent_death_signal and set_parent_death_signal(signal.SIGTERM,
+                                                                 spec.driver_pid)
+    if spec.parent_death_signal and not armed and os.getppid() != spec.driver_pid:
+        raise SystemExit("the driver exited before this worker started")
+    close_inherited_fds(spec.inherited_fds)
+    apply_thread_env_in_child(spec.thread_env)
+
+
+def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a worker process (see the module docstring)."""
-    shutdown_requested = threading.Event()
+    signalled = threading.Event()
 
     def signal_handler(signum: int, frame: FrameType | None) -> None:
-        if not shutdown_requested.is_set():
-            shutdown_requested.set()
+        if not signalled.is_set():
+            signalled.set()
             logger.debug("WorkerProc handling signal %d, raising SystemExit", signum)
             raise SystemExit()
 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
-
-    ready_writer: Connection | None = kwargs.pop("ready_pipe")
-    death_pipe: Connection | None = kwargs.pop("death_pipe", None)
-    close_inherited_fds(kwargs.pop("inherited_fds", []))
-    cpus = kwargs.pop("cpu_affinity", None)
-    config: ExecutorConfig = kwargs["config"]
-    rank: int = kwargs["rank"]
-    watcher = DeathPipeWatcher(death_pipe)
+    _prepare_process(spec)
+    ready_writer: Connection = spec.ready_pipe
+    reported = False
+    rank = spec.rank
+    watcher = DeathPipeWatcher(spec.death_pipe, spec.driver_pid)
     worker: WorkerProc | None = None
     failed = False
     try:
         watcher.start()
-        _configure_logging(config)
-        apply_cpu_affinity(cpus)
-        if config.trace:
-            tracing.enable(f"Worker_{rank}")
-        with tracing.span("worker.start", rank=rank):
-            worker = WorkerProc(**kwargs)
+        _configure_logging(spec.config.log_level)
+        apply_cpu_affinity(spec.cpu_affinity)
+        tracer = Tracer.create(spec.trace, f"Worker_{rank}")
+        with tracer.span("worker.start", rank=rank):
+            worker = WorkerProc(spec, tracer, signalled)
         assert worker.rpc_broadcast_mq is not None and worker.worker_response_mq is not None
         watcher.watch([worker.rpc_broadcast_mq, worker.worker_response_mq])
-        assert ready_writer is not None
-        ready_writer.send({
-            "status": READY_STR,
-            "handle": worker.worker_response_mq.export_handle(),
-            "peer_response_handles": worker.peer_response_handles,
-        })
-        # Keep this order in step with MultiprocExecutor: the driver waits on
-        # the broadcast queue first, then on each reply queue in rank order.
-        # Waiting on our reply queue first would leave the driver stuck on
-        # the broadcast queue (which needs us as a reader) while we wait for
-        # it as the reader of our reply queue: a deadlock.
+        ready_writer.send(Ready(rank, worker.worker_response_mq.export_handle()))
+        # Keep this order in step with the driver: it waits on the broadcast
+        # queue first, then on each reply queue in rank order.  Waiting on our
+        # reply queue first would leave the driver stuck on the broadcast
+        # queue (which needs us as a reader) while we wait for it as the
+        # reader of our reply queue: a deadlock.
         worker.rpc_broadcast_mq.wait_until_ready()
         worker.worker_response_mq.wait_until_ready()
         ready_writer.close()
-        ready_writer = None
+        reported = True
         worker.worker_busy_loop()
     except Exception as exc:
-        if ready_writer is not None:
+        if not reported:
             logger.exception("WorkerProc failed to start.")
             _report_startup_failure(ready_writer, rank, exc)
             failed = True
-        elif shutdown_requested.is_set() or watcher.stopping.is_set():
-            logger.info("WorkerProc shutting down.")
-        elif isinstance(exc, QueueClosedError):
-            # The driver shut the broadcast queue or died (the queue noticed
-            # before the death pipe did): the same end as an EOF there.
-            logger.info("WorkerProc shutting down: %s", exc)
+        elif signalled.is_set() or watcher.stopping.is_set() or isinstance(
+                exc, QueueClosedError):
+            # The driver shut the broadcast queue, closed the death pipe or
+            # died: the orderly end.
+            logger.debug("WorkerProc shutting down: %s", exc)
         else:
             logger.exception("WorkerProc failed.")
             failed = True
         # No SystemExit from a signal from now on: cleanup must finish.
-        shutdown_requested.set()
+        signalled.set()
     except SystemExit:
-        logger.warning("WorkerProc was terminated")
+        logger.debug("WorkerProc was terminated")
         raise
     finally:
-        if ready_writer is not None:
+        if not reported:
             ready_writer.close()
-        if death_pipe is not None:
-            death_pipe.close()
         if worker is not None:
             worker.shutdown()
+        spec.death_pipe.close()
+        watcher.main_done.set()
+        if watcher.driver_gone():
+            end_own_group()  # nobody else will end what we started
     if failed:
         sys.exit(1)

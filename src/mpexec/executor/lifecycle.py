@@ -1,0 +1,242 @@
+"""One executor's life: its state, what it owns, and the one teardown order.
+
+::
+
+    STARTING --all READY--> READY --worker dies--> FAILED --teardown--> (torn down)
+        |                     |                                ^
+        +--start fails--------+--shutdown() / exit / GC--> CLOSED
+
+:class:`Lifecycle` holds the state under one lock, the failure callbacks,
+the worker handles, the queues, the call order, the reply pump, the
+monitor thread and the reserved port - everything the executor must
+release - and never a reference to the executor itself, so that
+``weakref.finalize`` can run ``close`` at interpreter exit or when the
+executor is collected.  An orderly end (``close``) sets CLOSED *first*:
+workers leaving after that are not failures (no ERROR, no callback).
+
+A death (``worker_died``, from the monitor or from a caller whose queue
+closed) goes READY -> FAILED once: every pending call fails with its own
+``WorkerDiedError`` and the queues close, which wakes any caller blocked on
+a reply at once; then the failure callbacks run (``fire_callbacks``), and
+only then ``teardown`` waits for the survivors.
+
+``teardown`` runs once, whoever calls it first, in this order:
+
+1. fail pending calls;
+2. close queues (wakes blocked readers; workers leave their loops);
+3. close death pipes;
+4. escalate: wait, SIGTERM, SIGKILL (``termination``);
+5. join the monitor and the reply pump; SIGKILL what is left in each
+   worker's process group;
+6. close handles (pidfds, processes), the monitor's wake-up pipe, the port.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
+from mpexec.executor.futures import CallOrder
+from mpexec.executor.launcher import LocalWorkerHandle
+from mpexec.executor.spec import PortReservation
+from mpexec.executor.termination import TerminationPolicy
+from mpexec.ipc import MessageQueue
+
+logger = logging.getLogger("mpexec.executor.multiproc")
+
+FailureCallback = Callable[[], None]
+_JOIN_S = 2.0
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Death:
+    """Which worker died, and how."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    how: str = ""
+
+    def error(self) -> WorkerDiedError:
+        how = self.how or describe_exitcode(self.exitcode)
+        return WorkerDiedError(
+            f"worker rank {self.rank} (pid {self.pid}) died: {how}; the executor has failed",
+            rank=self.rank, pid=self.pid, exitcode=self.exitcode)
+
+
+class Lifecycle:
+    """See the module docstring."""
+
+    def __init__(self, policy: TerminationPolicy) -> None:
+        self.policy = policy
+        self.owner_pid = os.getpid()
+        self.lock = threading.Lock()
+        self.state = State.STARTING
+        self.death: Death | None = None
+        self.handles: list[LocalWorkerHandle] = []
+        self.queues: list[MessageQueue] = []
+        self.calls: CallOrder | None = None
+        self.port: PortReservation | None = None
+        self.monitor: threading.Thread | None = None
+        self._callbacks: list[FailureCallback] = []
+        self._teardown_lock = threading.Lock()
+        self._torn_down = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        # Set once the monitor stops polling the death descriptors (or never
+        # will): only then may teardown close them.
+        self._polling_done = threading.Event()
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def failed(self) -> bool:
+        return self.state is State.FAILED
+
+    def mark_ready(self) -> None:
+        with self.lock:
+            if self.state is State.STARTING:
+                self.state = State.READY
+
+    def closed_error(self) -> Exception:
+        """What a call sees once the executor is no longer usable."""
+        if self.death is not None:
+            return self.death.error()
+        return QueueClosedError("the executor is shut down")
+
+    def register_callback(self, callback: FailureCallback) -> None:
+        with self.lock:
+            if self.state is not State.FAILED:
+                self._callbacks.append(callback)
+                return
+        _run_callback(callback)
+
+    def worker_died(self, handle: LocalWorkerHandle, how: str = "") -> bool:
+        """Fail the executor because ``handle`` is gone; True for the first death."""
+        exitcode = handle.wait_exitcode()
+        with self.lock:
+            if self.state in (State.FAILED, State.CLOSED):
+                return False
+            self.state = State.FAILED
+            death = self.death = Death(handle.rank, handle.pid, exitcode, how)
+        logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
+                     handle.name, how or describe_exitcode(exitcode))
+        if self.calls is not None:
+            self.calls.fail_all(death.error)
+        self._close_queues()
+        return True
+
+    def fire_callbacks(self) -> None:
+        with self.lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            _run_callback(callback)
+
+    # -- monitor ----------------------------------------------------------------------
+
+    def start_monitor(self) -> None:
+        thread = threading.Thread(target=self.watch, daemon=True,
+                                  name="MultiprocWorkerMonitor")
+        self.monitor = thread
+        thread.start()
+
+    def watch(self) -> None:
+        """Wait for a worker death (or teardown); handle the failure."""
+        poller = select.poll()  # not select(): descriptors above 1024 are common
+        by_fd = {h.death_fd: h for h in self.handles}
+        for fd in (*by_fd, self._wake_r):
+            poller.register(fd, select.POLLIN)
+        try:
+            ready = poller.poll()
+        finally:
+            self._polling_done.set()
+        with self.lock:
+            closing = self.state is State.CLOSED
+        dead = [by_fd[fd] for fd, _ in ready if fd in by_fd]
+        if closing or not dead:
+            logger.debug("MultiprocWorkerMonitor: shutdown already initiated")
+            return
+        self.worker_died(dead[0])
+        if self.state is State.FAILED:
+            self.fire_callbacks()
+            self.teardown()
+
+    # -- the end -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The orderly end: shutdown(), a failed start, interpreter exit, GC."""
+        if os.getpid() != self.owner_pid:
+            return  # a forked copy must not touch the parent's workers
+        with self.lock:
+            if self.state is not State.FAILED:
+                self.state = State.CLOSED
+        self.teardown()
+
+    def teardown(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return
+        if not self._teardown_lock.acquire(blocking=False):
+            # Another thread is tearing down: return once it is done, so no
+            # worker outlives this call.
+            bound = self.policy.grace_s + self.policy.term_s + self.policy.kill_s + 10.0
+            self._torn_down.wait(bound)
+            return
+        me = threading.current_thread()
+        monitor = self.monitor
+        try:
+            if self._torn_down.is_set():
+                return
+            if self.calls is not None:
+                self.calls.fail_all(self.closed_error)
+            self._close_queues()
+            for handle in self.handles:
+                handle.close_death_pipe()
+            report = self.policy.terminate(self.handles)
+            logger.debug("worker termination: %s", report.stage)
+            me = threading.current_thread()
+            monitor = self.monitor
+            if monitor is not None and monitor is not me:
+                os.write(self._wake_w, b"x")
+                self._polling_done.wait(_JOIN_S)
+            pump = None if self.calls is None else self.calls.pump
+            if pump is not None:
+                pump.stop(_JOIN_S)
+            for handle in self.handles:
+                handle.end_group()
+            if monitor is None or monitor is me or self._polling_done.is_set():
+                for handle in self.handles:
+                    handle.close()
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
+            if self.port is not None:
+                self.port.close()
+        finally:
+            self._torn_down.set()
+            self._teardown_lock.release()
+        if monitor is not None and monitor is not me:
+            # It may still be running a failure callback; a thread left behind
+            # would make the next executor spawn rather than fork.
+            monitor.join(_JOIN_S)
+
+    def _close_queues(self) -> None:
+        for mq in self.queues:
+            mq.shutdown()
+
+
+def _run_callback(callback: FailureCallback) -> None:
+    try:
+        callback()
+    except Exception:
+        logger.exception("The executor's failure callback %r raised", callback)

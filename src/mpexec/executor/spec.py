@@ -1,0 +1,126 @@
+"""Everything one worker process is given: :class:`WorkerSpec`.
+
+The driver builds one frozen spec per worker and the child receives only
+that (as the single argument of ``worker_main``), so the constructor
+arguments of a worker are written down in exactly one place::
+
+    driver                                     child
+    ------                                     -----
+    worker_contexts(config, init_method)  ->   WorkerSpec.context
+    + broadcast handle, pipes, settings   ->   worker_main(spec)
+                                                 worker_cls(spec.context, **worker_kwargs)
+
+``worker_contexts`` is also what ``UniProcExecutor`` uses for its one
+in-process worker, so every backend builds a :class:`WorkerContext` the same
+way.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mpexec.config import ExecutorConfig
+from mpexec.executor.context import WorkerContext
+from mpexec.executor.ranks import global_start_rank, is_driver_worker
+from mpexec.ipc import Handle
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker's start: who it is, what it attaches to, how it behaves."""
+
+    context: WorkerContext
+    broadcast_handle: Handle
+    ready_pipe: Connection
+    death_pipe: Connection
+    driver_pid: int
+    # Arm PR_SET_PDEATHSIG: only when the starting thread lives as long as
+    # the driver (the signal follows the thread that created the child).
+    parent_death_signal: bool
+    trace: bool = False
+    # Descriptors a forked child inherited from its siblings' pipes.
+    inherited_fds: tuple[int, ...] = ()
+    cpu_affinity: tuple[int, ...] | None = None
+    thread_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def config(self) -> ExecutorConfig:
+        return self.context.config
+
+
+def init_method(host: str, port: int) -> str:
+    """``tcp://host:port``, with an IPv6 host in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def worker_contexts(config: ExecutorConfig, distributed_init_method: str,
+                    shared_worker_lock: Any = None) -> list[WorkerContext]:
+    """The context of every worker this node runs, in local-rank order."""
+    parallel = config.parallel
+    start = global_start_rank(parallel)
+    contexts = []
+    for local_rank in range(parallel.local_world_size):
+        rank = start + local_rank
+        contexts.append(WorkerContext(
+            config=config,
+            rank=rank,
+            local_rank=local_rank,
+            rpc_rank=local_rank,
+            world_size=parallel.world_size,
+            local_world_size=parallel.local_world_size,
+            distributed_init_method=distributed_init_method,
+            backend=parallel.backend,
+            device=f"cuda:{local_rank}" if config.device_type == "cuda" else "cpu",
+            is_driver_worker=is_driver_worker(rank, parallel),
+            shared_worker_lock=shared_worker_lock,
+        ))
+    return contexts
+
+
+class PortReservation:
+    """The rendezvous port of ``ParallelConfig`` (``master_port`` 0: pick one).
+
+    Picking a free port by binding and closing a probe socket races with
+    every other program that asks the kernel for a port.  Instead the probe
+    stays bound, with ``SO_REUSEADDR``, until the workers are ready: while
+    it is bound the kernel hands the port to no one else, and Linux still
+    lets the rank-0 store bind and listen on it (``SO_REUSEADDR`` permits a
+    second bind as long as the first socket is not listening).  ``close()``
+    once the workers have joined.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self._probe: socket.socket | None = None
+        if port == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            probe = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, 0))
+            except OSError as exc:
+                probe.close()
+                raise OSError(exc.errno, f"cannot reserve a port on master_addr "
+                                         f"{host!r}: {exc.strerror}") from exc
+            port = probe.getsockname()[1]
+            self._probe = probe
+        self.port = port
+
+    @property
+    def init_method(self) -> str:
+        return init_method(self.host, self.port)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None

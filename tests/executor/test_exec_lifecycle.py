@@ -1,0 +1,332 @@
+"""The executor's life and death: start-up failures, deaths, orderly ends, the
+driver dying, futures that complete on their own.
+
+Promptness is shown by an event beating a much longer deadline (a 60 s call,
+a 30 s grace period), never by a wall-clock assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tests.executor.conftest import make_config
+
+from mpexec.errors import QueueClosedError, WorkerDiedError, WorkerStartupError
+from mpexec.executor import MultiprocExecutor
+from mpexec.system import process_gone
+
+pytestmark = pytest.mark.usefixtures("leak_check")
+
+ROOT = Path(__file__).resolve().parents[2]
+START_METHODS = [pytest.param("fork"), pytest.param("spawn", marks=pytest.mark.slow)]
+WAIT_S = 30.0
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
+
+
+def _wait_gone(pids: list[int], timeout: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(process_gone(p) for p in pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# -- start-up ----------------------------------------------------------------------
+
+STARTUP_CASES = [
+    ("load_model:raise", "rank 1 .*failed during start-up with RuntimeError: boom",
+     "boom in load_model"),
+    ("init:raise", "failed during start-up", "boom in init"),
+    ("init_device:exit", r"rank 1 .*exited during start-up \(exit code 3\)", None),
+]
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize(("fail_at", "match", "traceback"), STARTUP_CASES,
+                         ids=[c[0] for c in STARTUP_CASES])
+def test_startup_failure(fail_at: str, match: str, traceback: str | None, method: str) -> None:
+    config = make_config(worker_kwargs={"fail_at": fail_at, "fail_rank": 1},
+                         mp_start_method=method)
+    with pytest.raises(WorkerStartupError, match=match) as info:
+        MultiprocExecutor(config)
+    assert info.value.rank == 1
+    if traceback is not None:
+        assert traceback in info.value.remote_traceback
+        assert traceback in str(info.value)
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_startup_timeout_names_the_configured_timeout(method: str) -> None:
+    config = make_config(worker_kwargs={"fail_at": "load_model:hang", "fail_rank": 0},
+                         startup_timeout_s=3.0, mp_start_method=method)
+    # Rank 1 may be late too under spawn on a loaded machine; rank 0 never comes.
+    with pytest.raises(WorkerStartupError,
+                       match=r"rank\(s\) 0(, 1)? did not report READY within 3s "
+                             r"\(startup_timeout_s\)"):
+        MultiprocExecutor(config)
+
+
+def test_context_is_built_by_the_driver_with_the_configured_rendezvous() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = make_config(tp=2)
+    config.parallel.master_port = port
+    with MultiprocExecutor(config) as ex:
+        contexts = ex.collective_rpc(lambda w: (w.context.rank, w.context.local_rank,
+                                                w.context.distributed_init_method,
+                                                w.context.shared_worker_lock))
+    assert contexts == [(0, 0, f"tcp://127.0.0.1:{port}", None),
+                        (1, 1, f"tcp://127.0.0.1:{port}", None)]
+
+
+def test_port_zero_picks_one_port_for_all_and_the_lock_only_when_asked() -> None:
+    with MultiprocExecutor(make_config(tp=2, shared_worker_lock=True)) as ex:
+        methods = ex.collective_rpc(lambda w: w.distributed_init_method)
+        locks = ex.collective_rpc(lambda w: w.shared_worker_lock is not None)
+    assert methods[0] == methods[1] and not methods[0].endswith(":0")
+    assert locks == [True, True]
+
+
+def test_thread_counts_reach_the_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    with MultiprocExecutor(make_config(tp=2, device_type="cuda")) as ex:
+        assert ex.collective_rpc("env", args=("OMP_NUM_THREADS",)) == ["1", "1"]
+        assert "OMP_NUM_THREADS" not in os.environ
+
+
+# -- deaths --------------------------------------------------------------------------
+
+def test_frozen_peer_does_not_delay_the_error_or_the_callback() -> None:
+    """Rank 1 is stopped, rank 0 is killed: the blocked caller and the failure
+    callback hear of it while the frozen survivor is still there (its
+    escalation would take 30 s of grace)."""
+    config = make_config(tp=2, shutdown_grace_s=30.0, shutdown_term_s=30.0)
+    ex = MultiprocExecutor(config)
+    frozen = ex.workers[1].pid
+    called = threading.Event()
+    ex.register_failure_callback(called.set)
+    try:
+        future = ex.collective_rpc("sleep", args=(60.0,), non_block=True)
+        os.kill(frozen, signal.SIGSTOP)
+        os.kill(ex.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="rank 0") as info:
+            ex.collective_rpc("echo", args=(1,))
+        assert info.value.exitcode == -signal.SIGKILL
+        with pytest.raises(WorkerDiedError):
+            future.result(timeout=WAIT_S)
+        assert called.wait(WAIT_S)
+        assert not process_gone(frozen)  # still in its grace period
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+        os.kill(frozen, signal.SIGCONT)
+        ex.shutdown()
+
+
+def test_a_raising_failure_callback_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> None:
+        raise RuntimeError("callback bug")
+
+    with caplog.at_level(logging.ERROR), MultiprocExecutor(make_config(tp=2)) as ex:
+        done = threading.Event()
+        ex.register_failure_callback(broken)
+        ex.register_failure_callback(done.set)
+        os.kill(ex.workers[1].pid, signal.SIGKILL)
+        assert done.wait(WAIT_S)
+    assert "failure callback" in caplog.text and "callback bug" in caplog.text
+
+
+def test_grandchild_holding_inherited_descriptors_does_not_hide_a_death(
+        tmp_path: Path) -> None:
+    pid_file = str(tmp_path / "pids")
+    with MultiprocExecutor(make_config(tp=1)) as ex:
+        died = threading.Event()
+        ex.register_failure_callback(died.set)
+        ex.collective_rpc("start_grandchild_and_sleep", args=(60.0, pid_file),
+                          non_block=True)
+        deadline = time.monotonic() + WAIT_S
+        while not os.path.exists(f"{pid_file}.0") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker, grandchild = map(int, Path(f"{pid_file}.0").read_text().split())
+        os.kill(worker, signal.SIGKILL)
+        assert died.wait(WAIT_S)  # long before the grandchild's 60 s
+    assert _wait_gone([grandchild])  # shutdown ended the worker's process group
+
+
+def test_many_descriptors_in_the_driver() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"descriptor limit {hard} is too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    extra = []
+    try:
+        while len(extra) < 1030:
+            extra.append(os.open(os.devnull, os.O_RDONLY))
+        with MultiprocExecutor(make_config(tp=2)) as ex:
+            assert ex.collective_rpc("echo", args=(1,)) == [1, 1]
+            os.kill(ex.workers[1].pid, signal.SIGKILL)
+            with pytest.raises(WorkerDiedError, match="rank 1"):
+                ex.collective_rpc("sleep", args=(60.0,))
+    finally:
+        for fd in extra:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_shutdown_escalates_to_sigkill_for_a_worker_ignoring_sigterm(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ex = MultiprocExecutor(make_config(tp=1, shutdown_grace_s=0.3, shutdown_term_s=0.3))
+    ex.collective_rpc("ignore_death_and_sigterm")
+    pid = ex.workers[0].pid
+    with caplog.at_level(logging.INFO, logger="mpexec.executor.termination"):
+        ex.shutdown()
+    assert "sending SIGTERM" in caplog.text and "sending SIGKILL" in caplog.text
+    assert process_gone(pid)
+    with pytest.raises(QueueClosedError, match="shut down"):
+        ex.collective_rpc("echo", args=(1,))
+
+
+# -- the driver going away -------------------------------------------------------------
+
+BUSY_DRIVER = textwrap.dedent("""
+    import sys, time
+    from mpexec.config import ExecutorConfig, ParallelConfig
+    from mpexec.executor import MultiprocExecutor
+    ex = MultiprocExecutor(ExecutorConfig(
+        worker_cls="tests.executor.workers:EchoWorker", mp_start_method=sys.argv[1],
+        parallel=ParallelConfig(tensor_parallel_size=2)))
+    ex.collective_rpc("start_grandchild_and_sleep", args=(60.0, sys.argv[2]), non_block=True)
+    print("busy", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_driver_sigkill_ends_busy_workers_and_their_children(method: str,
+                                                             tmp_path: Path) -> None:
+    pid_file = str(tmp_path / "pids")
+    driver = subprocess.Popen([sys.executable, "-c", BUSY_DRIVER, method, pid_file],
+                              stdout=subprocess.PIPE, env=_env(), cwd=ROOT, text=True)
+    try:
+        assert driver.stdout is not None and driver.stdout.readline() == "busy\n"
+        deadline = time.monotonic() + WAIT_S
+        files = [Path(f"{pid_file}.{r}") for r in (0, 1)]
+        while not all(f.exists() and f.read_text().endswith("\n") for f in files):
+            assert time.monotonic() < deadline, "workers never got busy"
+            time.sleep(0.01)
+        pids = [int(p) for f in files for p in f.read_text().split()]
+        driver.kill()
+        driver.wait(WAIT_S)
+        # Each worker is 60 s into a call and holds a 60 s grandchild.
+        assert _wait_gone(pids, 20.0), f"{pids} outlived their driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(WAIT_S)
+        if driver.stdout is not None:
+            driver.stdout.close()
+
+
+EXITING_DRIVER = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.INFO)
+    from mpexec.config import ExecutorConfig, ParallelConfig
+    from mpexec.executor import MultiprocExecutor
+    ex = MultiprocExecutor(ExecutorConfig(
+        worker_cls="tests.executor.workers:EchoWorker", mp_start_method=sys.argv[1],
+        parallel=ParallelConfig(tensor_parallel_size=2)))
+    ex.register_failure_callback(lambda: print("CALLBACK", flush=True))
+    print(" ".join(str(w.pid) for w in ex.workers), flush=True)
+    if sys.argv[2] == "wait":
+        import time
+        time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_interpreter_exit_without_shutdown_is_orderly(method: str) -> None:
+    done = subprocess.run([sys.executable, "-c", EXITING_DRIVER, method, "exit"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()[:2]]
+    assert "CALLBACK" not in done.stdout
+    assert "ERROR" not in done.stderr and "died unexpectedly" not in done.stderr
+    assert _wait_gone(pids)
+
+
+def test_ctrl_c_to_the_process_group_is_orderly() -> None:
+    driver = subprocess.Popen([sys.executable, "-c", EXITING_DRIVER, "fork", "wait"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                              cwd=ROOT, text=True, start_new_session=True)
+    try:
+        assert driver.stdout is not None
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        out, err = driver.communicate(timeout=60)
+        assert "KeyboardInterrupt" in err
+        assert "died unexpectedly" not in err and "CALLBACK" not in out
+        assert _wait_gone(pids)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(WAIT_S)
+
+
+# -- futures on their own ------------------------------------------------------------------
+
+def test_non_blocking_futures_complete_without_result() -> None:
+    with MultiprocExecutor(make_config(tp=2)) as ex:
+        seen = threading.Event()
+        future = ex.collective_rpc("echo", args=(1,), non_block=True)
+        future.add_done_callback(lambda f: seen.set())
+        assert seen.wait(WAIT_S)
+        batch = [ex.collective_rpc("echo", args=(i,), non_block=True) for i in range(20)]
+        _, not_done = concurrent.futures.wait(batch, timeout=WAIT_S)
+        assert not not_done
+        order = [f.result() for f in concurrent.futures.as_completed(batch, timeout=WAIT_S)]
+        assert sorted(r[0] for r in order) == list(range(20))
+
+        async def main() -> list[int]:
+            return await asyncio.wrap_future(
+                ex.collective_rpc("echo", args=(5,), non_block=True))
+
+        assert asyncio.run(main()) == [5, 5]
+        # Blocking calls after the futures still work, in order.
+        assert ex.collective_rpc("echo", args=(9,)) == [9, 9]
+
+
+def test_non_blocking_future_times_out_on_its_own() -> None:
+    with MultiprocExecutor(make_config(tp=1)) as ex:
+        future = ex.collective_rpc("sleep", args=(5.0,), timeout=0.2, non_block=True)
+        done, _ = concurrent.futures.wait([future], timeout=WAIT_S)
+        assert done and isinstance(future.exception(), TimeoutError)
+
+
+def test_step_methods_have_a_deadline() -> None:
+    config = make_config(tp=1, execute_model_timeout_s=0.3,
+                         worker_kwargs={"dummy_sleep_s": 5.0})
+    with MultiprocExecutor(config) as ex:
+        with pytest.raises(TimeoutError, match="execute_dummy_batch"):
+            ex.execute_dummy_batch()
+        with pytest.raises(TimeoutError, match="take_draft_token_ids"):
+            ex.take_draft_token_ids()  # the worker is still in the dummy batch
