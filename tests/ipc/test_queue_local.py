@@ -131,7 +131,7 @@ def test_bad_arguments_name_the_rule() -> None:
         MessageQueue(0, 0)
     with pytest.raises(ValueError, match="local_reader_ranks"):
         MessageQueue(2, 2, local_reader_ranks=[0, 0])
-    with pytest.raises(NotImplementedError, match="remote readers"):
+    with pytest.raises(ValueError, match="cluster secret"):
         MessageQueue(2, 1)
 
 

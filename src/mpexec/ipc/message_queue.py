@@ -100,12 +100,17 @@ class Handle:
     """What a reader needs to attach to a queue; small and picklable."""
 
     local_reader_ranks: list[int]
-    buffer: SegmentRef
+    buffer: SegmentRef | None   # None when every reader is remote
     n_reader: int
     max_chunks: int
     max_chunk_bytes: int
     token: int
     name: str = "mq"
+    # Remote readers (see ``remote``): where they connect, and the token that
+    # names the queue's authentication keys.  None: every reader is local.
+    connect_ip: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_token: int | None = None
 
 
 class ProcessGroup(Protocol):
@@ -140,19 +145,35 @@ class MessageQueue(QueueEnd):
         spin_s: float = DEFAULT_SPIN_S,
         tick_s: float = DEFAULT_TICK_S,
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+        connect_ip: str | None = None,
+        secret: str | bytes | None = None,
+        **options: Any,
     ) -> MessageQueue:
         if cls is MessageQueue:
-            from mpexec.ipc.writer import MessageQueueWriter
+            if n_local_reader < n_reader:
+                from mpexec.ipc.remote import RemoteWriter
 
-            cls = MessageQueueWriter
+                cls = RemoteWriter
+            else:
+                from mpexec.ipc.writer import MessageQueueWriter
+
+                cls = MessageQueueWriter
         return object.__new__(cls)
 
     @classmethod
     def create_from_handle(cls, handle: Handle, rank: int, *,
                            spin_s: float = DEFAULT_SPIN_S, tick_s: float = DEFAULT_TICK_S,
-                           log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> MessageQueue:
-        """Attach as the reader of rank ``rank`` (any process, same machine)."""
+                           log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+                           secret: str | bytes | None = None) -> MessageQueue:
+        """Attach as the reader of rank ``rank``: through shared memory when the
+        rank is one of ``handle.local_reader_ranks``, else over the network
+        (``remote``; ``secret`` is the cluster secret)."""
         from mpexec.ipc.reader import MessageQueueReader
+
+        if rank not in handle.local_reader_ranks and handle.remote_subscribe_addr is not None:
+            from mpexec.ipc.remote import RemoteReader
+
+            return RemoteReader.attach(handle, rank, secret, tick_s=tick_s)
 
         return MessageQueueReader.attach(handle, rank, spin_s=spin_s, tick_s=tick_s,
                                          log_interval_s=log_interval_s)

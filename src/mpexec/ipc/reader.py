@@ -43,6 +43,7 @@ class MessageQueueReader(MessageQueue):
                              f"its local reader ranks are {handle.local_reader_ranks}")
         sync.check_fences()
         what = f"queue {handle.name!r}"
+        assert handle.buffer is not None  # a local rank has a ring
         segment = Segment.attach(handle.buffer, what)
         try:
             cells = segment.cells

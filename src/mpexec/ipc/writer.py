@@ -31,8 +31,9 @@ class MessageQueueWriter(MessageQueue):
     """The writer end: ``export_handle``, ``encode``, ``enqueue``, ``broadcast_object``.
 
     ``n_reader`` readers in all, ``n_local_reader`` of them on this machine
-    (remote readers come with the multi-node transport: until then the two
-    must be equal); ``local_reader_ranks`` are the ranks readers attach as
+    (here the two are equal: ``MessageQueue(...)`` builds a
+    :class:`~mpexec.ipc.remote.RemoteWriter` when some readers are remote);
+    ``local_reader_ranks`` are the ranks readers attach as
     (default ``0..n_local_reader-1``).  The segment holds ``max_chunks``
     chunks of ``max_chunk_bytes``; a larger message goes through a bulk
     segment of its own.  A segment that cannot fit in the memory this process
@@ -52,17 +53,18 @@ class MessageQueueWriter(MessageQueue):
         spin_s: float = DEFAULT_SPIN_S,
         tick_s: float = DEFAULT_TICK_S,
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+        connect_ip: str | None = None,
+        secret: str | bytes | None = None,
     ) -> None:
+        # connect_ip and secret matter only with remote readers (a RemoteWriter).
         if n_reader < 1:
             raise ValueError(f"n_reader must be >= 1, got {n_reader}")
         if not 0 <= n_local_reader <= n_reader:
             raise ValueError(
                 f"n_local_reader must be in [0, n_reader={n_reader}], got {n_local_reader}")
         if n_local_reader != n_reader:
-            raise NotImplementedError(
-                f"queue {name!r}: {n_reader - n_local_reader} of its {n_reader} readers are "
-                "remote (n_local_reader < n_reader); remote readers need the multi-node "
-                "transport, which this version of mpexec does not have yet")
+            raise ValueError(f"queue {name!r}: remote readers are served by a RemoteWriter "
+                             "(build it with MessageQueue(...))")
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
         if len(local_reader_ranks) != n_local_reader or len(set(local_reader_ranks)) != len(

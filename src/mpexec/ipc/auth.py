@@ -1,0 +1,202 @@
+"""Authenticated frames between hosts: HMAC-SHA256 over a per-cluster secret.
+
+Everything a remote queue end (``remote``) or a node's control channel
+(``mpexec.executor.node``) sends across the network is one ZeroMQ message of
+frames::
+
+    header | mac | part 0 | part 1 | ...
+
+    header  = magic "MPX1", kind (u8), rank (u32), aux (u32), seq (u64),
+              n_parts (u32), body_len (u64)            (fixed 36 bytes)
+    mac     = HMAC-SHA256(key, header || SHA-256(u64 len || part, for each part))
+    key     = HMAC-SHA256(secret, "mpexec/1/" || channel || "/" || direction)
+
+The key is derived per channel (a queue's random token, a node control
+session) and per direction, so a frame can be replayed neither into another
+queue nor back at its sender; ``rank`` is covered, so a frame meant for one
+reader cannot be fed to another; ``seq`` is checked by the receiver against
+the next number it expects, so an old frame is a replay.  The body is hashed
+once (SHA-256) and the digest is MACed with the header: a message to many
+readers hashes its bytes once.
+
+:meth:`FrameAuth.open` checks the structure (frame count, header size,
+declared lengths, the size limit) and then the MAC with
+``hmac.compare_digest`` - *before* anything is deserialised - and returns
+``None`` for anything that fails; :class:`DropCounter` counts every drop by
+reason and logs them at most once per ``log_interval_s``.
+
+The secret comes from the configuration, else ``MPEXEC_CLUSTER_SECRET``,
+else :func:`generate_secret` on the leader, which hands it to its local
+workers and is printed for the operator to give to followers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from mpexec.errors import MpexecError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MPX1"
+HEADER = struct.Struct("<4sBxxxIIQIQ")
+assert HEADER.size == 36
+MAC_BYTES = 32
+MIN_SECRET_BYTES = 16
+_LEN = struct.Struct("<Q")
+
+# Frame kinds (queues and the node control channel share the numbering).
+HELLO, WELCOME, DATA, ACK, CLOSE = 1, 2, 3, 4, 5
+JOIN, CONFIG, READY, PING, FAILED, BYE = 10, 11, 12, 13, 14, 15
+
+# Not authenticated (the two ends do not share a key): a refusal carries
+# only this marker and a fixed reason code, never anything to decode.
+REFUSED = b"MPX1-REFUSED"
+
+
+class AuthenticationError(MpexecError, PermissionError):
+    """The other end does not hold the same cluster secret (or sent forged frames)."""
+
+
+def generate_secret() -> str:
+    """A fresh secret: 32 random bytes as 64 hex digits."""
+    return secrets.token_hex(32)
+
+
+def secret_bytes(secret: str | bytes) -> bytes:
+    """The secret as bytes; shorter than 16 bytes is refused (``ValueError``)."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"cluster secret must be at least {MIN_SECRET_BYTES} bytes, "
+                         f"got {len(raw)}")
+    return raw
+
+
+def derive_key(secret: str | bytes, channel: str, direction: str) -> bytes:
+    label = f"mpexec/1/{channel}/{direction}".encode()
+    return hmac.new(secret_bytes(secret), label, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A frame whose structure and MAC checked out (its seq is the receiver's to check)."""
+
+    kind: int
+    rank: int
+    aux: int
+    seq: int
+    parts: list[Any]
+
+
+def _nbytes(part: Any) -> int:
+    return part.nbytes if isinstance(part, memoryview) else len(memoryview(part).cast("B"))
+
+
+class FrameAuth:
+    """Seals and opens frames of one channel and direction."""
+
+    def __init__(self, key: bytes, max_bytes: int) -> None:
+        self._key = key
+        self.max_bytes = max_bytes
+
+    def _mac(self, header: bytes, parts: list[Any]) -> bytes:
+        body = hashlib.sha256()
+        for part in parts:
+            body.update(_LEN.pack(_nbytes(part)))
+            body.update(part)
+        return hmac.new(self._key, header + body.digest(), hashlib.sha256).digest()
+
+    def seal(self, kind: int, rank: int, seq: int, parts: list[Any], aux: int = 0,
+             ) -> list[Any]:
+        """``[header, mac, *parts]`` ready to send."""
+        body_len = sum(_nbytes(p) for p in parts)
+        header = HEADER.pack(MAGIC, kind, rank, aux, seq, len(parts), body_len)
+        return [header, self._mac(header, parts), *parts]
+
+    def seal_many(self, kind: int, ranks: list[int], seq: int, parts: list[Any],
+                  aux: int = 0) -> list[tuple[bytes, bytes]]:
+        """One (header, mac) per rank for the same parts; the body is hashed once."""
+        body = hashlib.sha256()
+        body_len = 0
+        for part in parts:
+            size = _nbytes(part)
+            body_len += size
+            body.update(_LEN.pack(size))
+            body.update(part)
+        digest = body.digest()
+        out = []
+        for rank in ranks:
+            header = HEADER.pack(MAGIC, kind, rank, aux, seq, len(parts), body_len)
+            out.append((header, hmac.new(self._key, header + digest, hashlib.sha256).digest()))
+        return out
+
+    def open(self, frames: list[Any], drops: DropCounter) -> Opened | None:
+        """The frame if it is well formed and authentic; else ``None`` (counted)."""
+        if len(frames) < 2:
+            drops.drop("truncated")
+            return None
+        header = bytes(frames[0])
+        if len(header) != HEADER.size:
+            drops.drop("bad header")
+            return None
+        magic, kind, rank, aux, seq, n_parts, body_len = HEADER.unpack(header)
+        parts = frames[2:]
+        if magic != MAGIC or n_parts != len(parts):
+            drops.drop("bad header")
+            return None
+        if body_len > self.max_bytes:
+            drops.drop("oversized")
+            return None
+        if sum(_nbytes(p) for p in parts) != body_len:
+            drops.drop("truncated")
+            return None
+        mac = bytes(frames[1])
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(header, parts)):
+            drops.drop("bad mac")
+            return None
+        return Opened(kind, rank, aux, seq, parts)
+
+
+class DropCounter:
+    """Frames dropped unopened, by reason; logged at most once per interval."""
+
+    def __init__(self, what: str, log_interval_s: float = 5.0) -> None:
+        self.what = what
+        self.by_reason: Counter[str] = Counter()
+        self._log_interval_s = log_interval_s
+        self._last_log = -float("inf")
+        self._logged_total = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def drop(self, reason: str) -> None:
+        self.by_reason[reason] += 1
+        now = time.monotonic()
+        if now - self._last_log >= self._log_interval_s:
+            self._last_log = now
+            total = self.total
+            logger.warning("%s: dropped %d unauthenticated or replayed frame(s) since the "
+                           "last report (%s)", self.what, total - self._logged_total,
+                           ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items())))
+            self._logged_total = total
+
+
+def refusal(reason: str) -> list[bytes]:
+    return [REFUSED, reason.encode()[:200]]
+
+
+def is_refusal(frames: list[Any]) -> str | None:
+    """The reason if ``frames`` is a refusal (plain text, never deserialised)."""
+    if len(frames) == 2 and bytes(frames[0]) == REFUSED:
+        return bytes(frames[1]).decode(errors="replace")
+    return None
