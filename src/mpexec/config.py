@@ -231,6 +231,15 @@ class ExecutorConfig:
     # OpenTelemetry spans in this executor and its workers (not process-wide).
     trace: bool = False
     log_level: str = "INFO"
+    # Several nodes (parallel.nnodes > 1): the per-cluster secret every
+    # cross-host frame is authenticated with (None: MPEXEC_CLUSTER_SECRET
+    # through from_env, else the leader generates one); never in repr.
+    cluster_secret: str | None = field(default=None, repr=False)
+    # Several nodes: where this node binds the sockets its peers connect to.
+    node_bind_addr: str = "127.0.0.1"
+    # Several nodes: heartbeat period and the silence after which a peer is lost.
+    node_heartbeat_s: float = 0.5
+    node_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_cls, str) and ":" not in self.worker_cls:
@@ -271,6 +280,16 @@ class ExecutorConfig:
             _require_bool(name, getattr(self, name))
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}; got {self.log_level!r}")
+        _require_str("node_bind_addr", self.node_bind_addr)
+        _require_seconds("node_heartbeat_s", self.node_heartbeat_s, positive=True)
+        _require_seconds("node_timeout_s", self.node_timeout_s, positive=True)
+        if self.node_timeout_s <= self.node_heartbeat_s:
+            raise ValueError(f"node_timeout_s ({self.node_timeout_s}) must exceed "
+                             f"node_heartbeat_s ({self.node_heartbeat_s})")
+        if self.cluster_secret is not None:
+            _require_str("cluster_secret", self.cluster_secret)
+            if len(self.cluster_secret.encode()) < 16:
+                raise ValueError("cluster_secret must be at least 16 bytes")
         local = self.parallel.local_world_size
         if self.cpu_affinity is not None:
             if not isinstance(self.cpu_affinity, Sequence) or isinstance(self.cpu_affinity,
@@ -331,6 +350,7 @@ class ExecutorConfig:
             "mq_spin_s": envs.mq_spin_s,
             "trace": envs.trace,
             "log_level": envs.logging_level,
+            "cluster_secret": envs.cluster_secret,
         }
         return cls(**{**defaults, **fields})
 

@@ -26,6 +26,8 @@ MPEXEC_LOGGING_LEVEL                     INFO       level of mpexec's loggers
 MPEXEC_TRACE                             0          OpenTelemetry spans around
                                                     start-up and calls (when
                                                     opentelemetry is installed)
+MPEXEC_CLUSTER_SECRET                    (none)     the secret that authenticates
+                                                    every frame between nodes
 =======================================  =========  ==========================
 """
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -56,6 +58,7 @@ class Envs:
     mq_spin_s: float = 0.001
     logging_level: str = "INFO"
     trace: bool = False
+    cluster_secret: str | None = field(default=None, repr=False)
 
 
 def _parse_bool(text: str) -> bool:
@@ -148,4 +151,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         mq_spin_s=_read(env, "MPEXEC_MQ_SPIN_SECONDS", _parse_spin_seconds, d.mq_spin_s),
         logging_level=_read(env, "MPEXEC_LOGGING_LEVEL", _parse_level, d.logging_level),
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
+        cluster_secret=env.get("MPEXEC_CLUSTER_SECRET") or None,
     )

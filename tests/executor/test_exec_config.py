@@ -203,11 +203,16 @@ def test_get_class() -> None:
         Executor.get_class(config(int))
 
 
-def test_multinode_is_refused_clearly() -> None:
+def test_multinode_misconfigurations_are_refused_clearly() -> None:
+    pytest.importorskip("zmq")
     config = ExecutorConfig(worker_cls=WORKER, parallel=ParallelConfig(
         tensor_parallel_size=2, nnodes=2))
-    with pytest.raises(NotImplementedError, match="nnodes_within_dp = 2"):
+    with pytest.raises(ValueError, match="master_port"):
         MultiprocExecutor(config)
+    follower = ExecutorConfig(worker_cls=WORKER, parallel=ParallelConfig(
+        tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1))
+    with pytest.raises(ValueError, match="follower node"):
+        MultiprocExecutor(follower)
 
 
 def test_max_concurrent_batches() -> None:

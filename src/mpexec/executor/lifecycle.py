@@ -126,6 +126,8 @@ class Lifecycle:
     def worker_died(self, handle: LocalWorkerHandle, how: str = "") -> bool:
         """Fail the executor because ``handle`` is gone; True for the first death."""
         exitcode = handle.wait_exitcode()
+        # A follower node's handle says which node and ranks were lost, and how.
+        how = how or (handle.describe_exit() if handle.pid is None else "")
         with self.lock:
             if self.state in (State.FAILED, State.CLOSED):
                 return False

@@ -46,6 +46,7 @@ import cloudpickle
 from mpexec.config import ExecutorConfig
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
+from mpexec.executor.cluster import NodeServer, RemoteNodeHandle, node_assignment, start_cluster
 from mpexec.executor.futures import CallOrder, FutureWrapper, PendingCall, ReplyPump
 from mpexec.executor.launch import handshake, wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher, LocalWorkerHandle
@@ -90,6 +91,9 @@ class MultiprocExecutor(Executor):
         self._next_call_id = 0
         self._all_ranks = tuple(range(self.world_size))
         self._start_rank = global_start_rank(config.parallel)
+        # Several nodes: the leader's node channel and one handle per follower.
+        self.cluster: NodeServer | None = None
+        self._remote_handles: dict[int, RemoteNodeHandle] = {}
         self._finalizer = weakref.finalize(self, self.lifecycle.close)
         super().__init__(config)
 
@@ -97,10 +101,10 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         parallel = self.parallel_config
-        if parallel.nnodes_within_dp > 1:
-            raise NotImplementedError(
-                f"nnodes_within_dp = {parallel.nnodes_within_dp}: executors spanning several "
-                "nodes are not supported yet")
+        if parallel.nnodes_within_dp > 1 and parallel.node_rank_within_dp != 0:
+            raise ValueError(
+                f"node_rank {parallel.node_rank} is a follower node: run `mpexec node` (or "
+                "mpexec.executor.node.run_follower) there; the executor lives on node 0")
         config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
         life = self.lifecycle
@@ -119,12 +123,19 @@ class MultiprocExecutor(Executor):
 
     def _start_workers(self, deadline: float) -> None:
         config, life = self.config, self.lifecycle
-        life.port = PortReservation(self.parallel_config.master_addr,
-                                    self.parallel_config.master_port)
+        parallel = self.parallel_config
+        multinode = parallel.nnodes_within_dp > 1
+        if multinode:
+            # master_port is the node channel's; torch gets a port of its own.
+            self.cluster = start_cluster(config, life)
+        life.port = PortReservation(parallel.master_addr, 0 if multinode
+                                    else parallel.master_port)
         mq = MessageQueue(self.world_size, self.local_world_size,
                           max_chunk_bytes=config.mq_max_chunk_bytes,
                           max_chunks=config.mq_max_chunks, name="broadcast",
-                          spin_s=config.mq_spin_s)
+                          spin_s=config.mq_spin_s,
+                          connect_ip=parallel.master_addr if multinode else None,
+                          secret=None if self.cluster is None else self.cluster.secret)
         self.rpc_broadcast_mq = mq
         life.queues.append(mq)
         context = get_mp_context(maybe_force_spawn(config.mp_start_method))
@@ -150,14 +161,31 @@ class MultiprocExecutor(Executor):
                 cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env)
             life.handles.append(launcher.start(spec_for))
         # Every worker exists before we wait for any: a real worker's
-        # init_device joins a collective with all of its peers.
-        ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s)
-        for message in ready:
-            reply_mq = MessageQueue.create_from_handle(message.reply_handle, 0,
-                                                       spin_s=config.mq_spin_s)
+        # init_device joins a collective with all of its peers (followers'
+        # included: they get their configuration before we wait).
+        local_handles = list(life.handles)
+        cluster = self.cluster
+        if cluster is not None:
+            for node in cluster.nodes.values():
+                life.handles.append(node)  # type: ignore[arg-type]  # a WorkerHandle
+                self._remote_handles.update(dict.fromkeys(node.ranks, node))
+            cluster.admit(partial(node_assignment, config, handle, life.port.init_method),
+                          deadline, config.startup_timeout_s)
+        ready = wait_for_ready(local_handles, deadline, config.startup_timeout_s)
+        reply_handles = {message.rank: message.reply_handle for message in ready}
+        if cluster is not None:
+            reply_handles.update(cluster.collect(deadline, config.startup_timeout_s))
+        for rank in range(self._start_rank, self._start_rank + self.world_size):
+            # Remote ranks' reply queues are read over the network (the
+            # seed's peer_worker_response_mqs); local ones through shared memory.
+            reply_mq = MessageQueue.create_from_handle(
+                reply_handles[rank], 0, spin_s=config.mq_spin_s,
+                secret=None if cluster is None else cluster.secret)
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
+        if cluster is not None:
+            cluster.start()
         handshake(mq, self.response_mqs, deadline, config.startup_timeout_s)
 
     # -- health ---------------------------------------------------------------------
@@ -178,11 +206,14 @@ class MultiprocExecutor(Executor):
             self.lifecycle.start_monitor()
 
     def _handle(self, rank: int) -> LocalWorkerHandle:
+        remote = self._remote_handles.get(rank)
+        if remote is not None:
+            return remote  # type: ignore[return-value]  # a follower node's handle
         return self.workers[rank - self._start_rank]
 
     def _pid_of(self, rank: int) -> int:
         local = rank - self._start_rank
-        return self.workers[local].pid if 0 <= local < len(self.workers) else -1
+        return self.workers[local].pid if 0 <= local < self.local_world_size else -1
 
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         """What a caller sees when a queue closed under it: if a worker is

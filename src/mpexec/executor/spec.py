@@ -46,6 +46,10 @@ class WorkerSpec:
     inherited_fds: tuple[int, ...] = ()
     cpu_affinity: tuple[int, ...] | None = None
     thread_env: Mapping[str, str] = field(default_factory=dict)
+    # A worker on a follower node: its reply queue is served over the network
+    # from this address, and cross-host frames use this secret.
+    reply_connect_ip: str | None = None
+    cluster_secret: str | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:

@@ -111,10 +111,14 @@ class WorkerProc:
             self.async_output_copy_thread.start()
         spin_s = self.config.mq_spin_s
         self.rpc_broadcast_mq = MessageQueue.create_from_handle(
-            spec.broadcast_handle, self.rank, spin_s=spin_s)
+            spec.broadcast_handle, self.rank, spin_s=spin_s, secret=spec.cluster_secret)
+        # On a follower node the driver is on another host: the reply queue's
+        # one reader is remote (n_local_reader 0).
+        remote_driver = spec.reply_connect_ip is not None
         self.worker_response_mq = MessageQueue(
-            1, 1, max_chunk_bytes=self.config.mq_max_chunk_bytes,
-            max_chunks=self.config.mq_max_chunks, name=f"reply{self.rank}", spin_s=spin_s)
+            1, 0 if remote_driver else 1, max_chunk_bytes=self.config.mq_max_chunk_bytes,
+            max_chunks=self.config.mq_max_chunks, name=f"reply{self.rank}", spin_s=spin_s,
+            connect_ip=spec.reply_connect_ip, secret=spec.cluster_secret)
 
     # -- replies ----------------------------------------------------------------
 

@@ -1,0 +1,374 @@
+"""The leader's side of an executor spanning several nodes.
+
+The protocol is drawn in ``nodewire``.  :class:`NodeServer` binds the node
+control socket at ``master_addr:master_port``, admits every follower
+(``admit``: JOIN -> CONFIG), collects the reply-queue handles of its ranks
+(``collect``: READY), and then runs the heartbeat thread (``start``).  Each
+follower is one :class:`RemoteNodeHandle` among the lifecycle's worker
+handles, so the lifecycle and the failure table treat a lost node like a
+dead worker: its death descriptor becomes readable when the node is lost
+(silent for ``node_timeout_s``, or it reported a failed worker), and the
+error names the node and its ranks.  Ending a node (``close_death_pipe`` /
+``terminate``) asks the heartbeat thread to send BYE; the node counts as
+gone once it answers BYE or falls silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from mpexec.config import ExecutorConfig
+from mpexec.errors import WorkerStartupError
+from mpexec.executor.nodewire import (
+    NONCE,
+    NodeAssignment,
+    Session,
+    endpoint,
+    join_auth,
+)
+from mpexec.ipc import Handle
+from mpexec.ipc.auth import (
+    BYE,
+    CONFIG,
+    FAILED,
+    HEADER,
+    JOIN,
+    PING,
+    READY,
+    DropCounter,
+    generate_secret,
+    refusal,
+)
+
+logger = logging.getLogger("mpexec.executor.multiproc")
+
+_POLL_S = 0.05
+_BYE_WAIT_S = 3.0
+
+
+class RemoteNodeHandle:
+    """A follower node, as one entry among the lifecycle's worker handles."""
+
+    def __init__(self, server: NodeServer, node_rank: int, ranks: range) -> None:
+        self.server = server
+        self.node_rank = node_rank
+        self.ranks = ranks
+        self.rank = ranks.start
+        self.identity: bytes | None = None
+        self.session: Session | None = None
+        self.reply_handles: dict[int, Handle] = {}
+        self.last_heard = time.monotonic()
+        self.how = ""
+        self.gone = threading.Event()
+        self.bye_requested = False
+        self._death_r, self._death_w = os.pipe()
+
+    @property
+    def name(self) -> str:
+        return f"node {self.node_rank} (ranks {self.ranks.start}-{self.ranks.stop - 1})"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    @property
+    def ready_conn(self) -> None:
+        return None
+
+    @property
+    def death_fd(self) -> int:
+        return self._death_r
+
+    def lost(self, how: str) -> None:
+        if self.gone.is_set():
+            return
+        self.how = f"{self.name} {how}"
+        self.gone.set()
+        if self._death_w >= 0:
+            os.write(self._death_w, b"x")
+
+    def is_alive(self) -> bool:
+        return not self.gone.is_set()
+
+    def terminate(self) -> None:
+        self.server.request_bye(self)
+
+    def kill(self) -> None:
+        self.server.request_bye(self)
+
+    def join(self, timeout: float | None) -> None:
+        self.gone.wait(timeout)
+
+    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
+        return None
+
+    def describe_exit(self) -> str:
+        return self.how or f"{self.name} ended"
+
+    def close_ready(self) -> None:
+        pass
+
+    def close_death_pipe(self) -> None:
+        self.server.request_bye(self)
+
+    def end_group(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for fd in (self._death_r, self._death_w):
+            if fd >= 0:
+                os.close(fd)
+        self._death_r = self._death_w = -1
+        self.server.release(self)
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class NodeServer:
+    """The leader's node control socket; see the module docstring."""
+
+    def __init__(self, secret: str, host: str, port: int, nnodes: int, local_world_size: int,
+                 heartbeat_s: float, timeout_s: float) -> None:
+        import zmq
+
+        if port == 0:
+            raise ValueError("parallel.master_port must name the port followers connect to "
+                             "when nnodes > 1 (it cannot be 0)")
+        self._zmq = zmq
+        self.secret = secret
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.drops = DropCounter(f"node channel {host}:{port}")
+        self._join_in = join_auth(secret, "f2l")
+        self._context = zmq.Context(1)
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(endpoint(host, port))
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._context.term()
+            raise OSError(f"cannot bind the node channel at {host}:{port}: {exc}") from exc
+        self._sock = sock
+        self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
+                                                         (r + 1) * local_world_size))
+                      for r in range(1, nnodes)}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._released = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- start-up (the executor's thread) --------------------------------------------
+
+    def admit(self, assignment_for: Callable[[int], NodeAssignment], deadline: float,
+              timeout_s: float) -> None:
+        """Wait for every follower's JOIN; answer each with its CONFIG."""
+        def joined() -> bool:
+            return all(n.session is not None for n in self.nodes.values())
+
+        self._serve_until(joined, deadline, timeout_s, "join", assignment_for)
+
+    def collect(self, deadline: float, timeout_s: float) -> dict[int, Handle]:
+        """Every follower's READY: the reply-queue handle of each remote rank."""
+        def ready() -> bool:
+            return all(len(n.reply_handles) == len(n.ranks) for n in self.nodes.values())
+
+        self._serve_until(ready, deadline, timeout_s, "report READY", None)
+        return {rank: h for n in self.nodes.values() for rank, h in n.reply_handles.items()}
+
+    def _serve_until(self, done: Callable[[], bool], deadline: float, timeout_s: float,
+                     what: str, assignment_for: Callable[[int], NodeAssignment] | None,
+                     ) -> None:
+        while not done():
+            for node in self.nodes.values():
+                if node.gone.is_set():
+                    raise WorkerStartupError(f"{node.how}", rank=node.rank)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = [n.name for n in self.nodes.values() if not done()]
+                raise WorkerStartupError(f"follower node(s) did not {what} within "
+                                         f"{timeout_s:g}s (startup_timeout_s): "
+                                         f"{', '.join(late)}")
+            self._receive(min(remaining, _POLL_S), assignment_for)
+
+    # -- frames -------------------------------------------------------------------------
+
+    def _receive(self, wait_s: float, assignment_for: Callable[[int], NodeAssignment] | None,
+                 ) -> None:
+        zmq = self._zmq
+        if not self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
+            return
+        while True:
+            try:
+                identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(identity, frames, assignment_for)
+
+    def _handle(self, identity: bytes, frames: list[bytes],
+                assignment_for: Callable[[int], NodeAssignment] | None) -> None:
+        node = next((n for n in self.nodes.values() if n.identity == identity), None)
+        if node is None:
+            self._join(identity, frames, assignment_for)
+            return
+        assert node.session is not None
+        opened = node.session.open(frames)
+        if opened is None:
+            return
+        node.last_heard = time.monotonic()
+        if opened.kind == READY:
+            handles: dict[int, Handle] = pickle.loads(opened.parts[0])  # authenticated
+            node.reply_handles = {r: h for r, h in handles.items() if r in node.ranks}
+        elif opened.kind == FAILED:
+            node.lost(f"reported: {bytes(opened.parts[0]).decode(errors='replace')}")
+        elif opened.kind == BYE:
+            node.how = node.how or f"{node.name} left"
+            node.gone.set()
+        # PING: last_heard is all it says
+
+    def _join(self, identity: bytes, frames: list[bytes],
+              assignment_for: Callable[[int], NodeAssignment] | None) -> None:
+        opened = self._join_in.open(frames, self.drops)
+        if opened is None:
+            if len(frames) >= 2 and len(frames[0]) == HEADER.size and frames[0][4] == JOIN:
+                logger.error("a follower's JOIN failed authentication: its cluster secret "
+                             "differs from the leader's; refused")
+                self._send(identity, refusal("the cluster secret differs from the leader's"))
+            return
+        node = self.nodes.get(opened.rank)
+        if opened.kind != JOIN or node is None or assignment_for is None:
+            self.drops.drop("unexpected join")
+            return
+        if node.session is not None:
+            self.drops.drop("second join for a node")
+            return
+        (nonce,) = NONCE.unpack(bytes(opened.parts[0]))
+        node.identity = identity
+        node.session = Session(self.secret, nonce, "l2f", "f2l", self.drops)
+        node.last_heard = time.monotonic()
+        payload = cloudpickle.dumps(assignment_for(node.node_rank),
+                                    protocol=pickle.HIGHEST_PROTOCOL)
+        self._send(identity, node.session.seal(CONFIG, node.node_rank, [payload]))
+        logger.info("follower %s joined", node.name)
+
+    def _send(self, identity: bytes, frames: list[Any]) -> bool:
+        zmq = self._zmq
+        try:
+            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False  # gone (EHOSTUNREACH) or backed up: the heartbeat decides
+
+    # -- heartbeats (their own thread, from start() on) ---------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                        name="MpexecNodeMonitor")
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        next_ping = 0.0
+        bye_deadline: float | None = None
+        while True:
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + self.heartbeat_s
+                for node in self.nodes.values():
+                    if not node.gone.is_set() and node.session is not None:
+                        self._send(node.identity or b"",
+                                   node.session.seal(PING, node.node_rank, []))
+            for node in self.nodes.values():
+                silent = now - node.last_heard
+                if not node.gone.is_set() and silent > self.timeout_s:
+                    node.lost(f"lost: no heartbeat for {silent:.1f} s")
+                if node.bye_requested and not node.gone.is_set() and node.session is not None \
+                        and node.identity is not None:
+                    node.bye_requested = False
+                    self._send(node.identity, node.session.seal(BYE, node.node_rank, []))
+                    bye_deadline = bye_deadline or now + _BYE_WAIT_S
+            if self._stop.is_set() and (bye_deadline is None or now >= bye_deadline or all(
+                    n.gone.is_set() for n in self.nodes.values())):
+                return
+            self._receive(_POLL_S, None)
+
+    # -- the end -------------------------------------------------------------------------
+
+    def request_bye(self, node: RemoteNodeHandle) -> None:
+        """Tell ``node`` to end; without a heartbeat thread, at once from here."""
+        if node.gone.is_set():
+            return
+        if self._thread is not None and self._thread.is_alive():
+            node.bye_requested = True
+            return
+        with self._lock:
+            if not self._closed and node.session is not None and node.identity is not None:
+                self._send(node.identity, node.session.seal(BYE, node.node_rank, []))
+        node.how = node.how or f"{node.name} was told to end"
+        node.gone.set()
+
+    def release(self, node: RemoteNodeHandle) -> None:
+        """A node handle was closed; with the last one, the socket goes."""
+        with self._lock:
+            self._released += 1
+            last = self._released == len(self.nodes)
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for node in self.nodes.values():
+            node.bye_requested = node.bye_requested or not node.gone.is_set()
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_BYE_WAIT_S + 2)
+        elif thread is None:
+            for node in self.nodes.values():  # never started: say BYE from here
+                if node.session is not None and node.identity is not None:
+                    self._send(node.identity, node.session.seal(BYE, node.node_rank, []))
+        self._sock.close(200)
+        self._context.term()
+
+
+def start_cluster(config: ExecutorConfig, life: Any) -> NodeServer:
+    """The leader's node channel, bound (the secret: configured, or generated)."""
+    secret = config.cluster_secret
+    if secret is None:
+        secret = generate_secret()
+        logger.warning("no cluster secret configured: generated one; start each follower "
+                       "with MPEXEC_CLUSTER_SECRET=%s", secret)
+    parallel = config.parallel
+    return NodeServer(secret, parallel.master_addr, parallel.master_port,
+                      parallel.nnodes_within_dp, parallel.local_world_size,
+                      config.node_heartbeat_s, config.node_timeout_s)
+
+
+def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
+                    node_rank: int) -> NodeAssignment:
+    """What follower ``node_rank`` is sent: the leader's config (its own node
+    rank set, the secret left out: the frame is authenticated, not encrypted)."""
+    parallel = dataclasses.replace(config.parallel, node_rank=node_rank)
+    return NodeAssignment(config.replace(parallel=parallel, cluster_secret=None), broadcast,
+                          init_method)

@@ -1,0 +1,236 @@
+"""A follower node: ``mpexec node`` and :func:`run_follower`.
+
+A follower runs headless: it has no caller of its own.  It joins the leader
+over the node control channel (see ``nodewire`` for the protocol), receives
+the executor's configuration from it - the one source of truth - starts its
+local workers with their global ranks (``global_start_rank``), tells the
+leader where their reply queues are, and then only watches::
+
+    join (JOIN -> CONFIG)  ->  start local workers  ->  READY  ->  watch loop
+    watch loop, every poll:    PING the leader every node_heartbeat_s
+                               a worker died            -> FAILED to the leader, end (1)
+                               BYE from the leader      -> end, BYE back (0)
+                               leader silent > timeout  -> end (1)
+
+The workers read the leader's broadcast queue as remote readers and serve
+their replies from reply queues the leader reads remotely (``ipc.remote``);
+the follower process itself carries no calls.  Ending is the lifecycle's
+one teardown order (death pipes, wait, SIGTERM, SIGKILL), so nothing the
+follower started outlives it; its workers also end on their own if the
+follower process is killed (parent-death signal, death pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import threading
+import time
+from functools import partial
+from typing import Any
+
+from mpexec.config import ExecutorConfig
+from mpexec.errors import WorkerStartupError
+from mpexec.executor.launch import wait_for_ready
+from mpexec.executor.launcher import LocalProcessLauncher
+from mpexec.executor.lifecycle import Lifecycle
+from mpexec.executor.nodewire import NONCE, NodeAssignment, Session, endpoint, join_auth
+from mpexec.executor.spec import WorkerSpec, worker_contexts
+from mpexec.executor.termination import TerminationPolicy
+from mpexec.ipc.auth import (
+    BYE,
+    CONFIG,
+    FAILED,
+    JOIN,
+    PING,
+    READY,
+    AuthenticationError,
+    DropCounter,
+    is_refusal,
+)
+from mpexec.system import get_mp_context, maybe_force_spawn, thread_vars
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class NodeClient:
+    """The follower's end of the node control channel."""
+
+    def __init__(self, secret: str, master_addr: str, master_port: int, node_rank: int) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.secret = secret
+        self.node_rank = node_rank
+        self.address = f"{master_addr}:{master_port}"
+        self.drops = DropCounter(f"node channel to {self.address}")
+        self._context = zmq.Context(1)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if ":" in master_addr:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint(master_addr, master_port))
+        self._sock = sock
+        self._nonce = secrets.randbits(63)
+        self.session = Session(secret, self._nonce, "f2l", "l2f", self.drops)
+        self.last_heard = time.monotonic()
+
+    def join(self, timeout_s: float) -> NodeAssignment:
+        """JOIN, then the leader's CONFIG; a refusal is an ``AuthenticationError``."""
+        zmq = self._zmq
+        self._sock.send_multipart(join_auth(self.secret, "f2l").seal(
+            JOIN, self.node_rank, 1, [NONCE.pack(self._nonce)]))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"node {self.node_rank}: no answer from the leader at "
+                                   f"{self.address} within {timeout_s:g}s")
+            if not self._sock.poll(int(min(remaining, _POLL_S) * 1000), zmq.POLLIN):
+                continue
+            frames = self._sock.recv_multipart()
+            reason = is_refusal(frames)
+            if reason is not None:
+                raise AuthenticationError(
+                    f"node {self.node_rank}: the leader at {self.address} refused to admit "
+                    f"this node ({reason}); give it the leader's cluster secret "
+                    "(MPEXEC_CLUSTER_SECRET or --secret-file)")
+            opened = self.session.open(frames)
+            if opened is not None and opened.kind == CONFIG and opened.rank == self.node_rank:
+                self.last_heard = time.monotonic()
+                assignment = pickle.loads(opened.parts[0])  # authenticated, in order
+                if not isinstance(assignment, NodeAssignment):
+                    raise TypeError(f"the leader sent {type(assignment).__name__}")
+                return assignment
+
+    def send(self, kind: int, parts: list[Any]) -> None:
+        try:
+            self._sock.send_multipart(self.session.seal(kind, self.node_rank, parts),
+                                      self._zmq.NOBLOCK)
+        except self._zmq.ZMQError:
+            pass  # backed up: the leader will call us lost, or we it
+
+    def poll(self, wait_s: float) -> int | None:
+        """The kind of the next authentic frame within ``wait_s``, or None."""
+        zmq = self._zmq
+        if not self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
+            return None
+        opened = self.session.open(self._sock.recv_multipart())
+        if opened is None:
+            return None
+        self.last_heard = time.monotonic()
+        return opened.kind
+
+    def close(self) -> None:
+        self._sock.close(200)
+        self._context.term()
+
+
+def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int, *,
+                 secret: str | None = None, bind_addr: str | None = None,
+                 join_timeout_s: float = 300.0,
+                 stop: threading.Event | None = None) -> int:
+    """Serve as follower ``node_rank`` of the executor led from ``master_addr:master_port``.
+
+    Returns the exit status: 0 when the leader ended the executor, 1 when a
+    worker failed or the leader was lost.  ``secret`` defaults to
+    ``MPEXEC_CLUSTER_SECRET``; ``bind_addr`` (where this node's reply queues
+    listen, default the leader's ``node_bind_addr``) must be reachable from
+    the leader.  ``stop`` set from another thread ends the node as a BYE would.
+    """
+    if secret is None:
+        from mpexec.envs import load_envs
+
+        secret = load_envs().cluster_secret
+    if not secret:
+        raise ValueError("a follower node needs the leader's cluster secret "
+                         "(secret=, MPEXEC_CLUSTER_SECRET or --secret-file)")
+    if not 0 < node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [1, nnodes={nnodes}) for a follower, "
+                         f"got {node_rank}")
+    client = NodeClient(secret, master_addr, master_port, node_rank)
+    try:
+        assignment = client.join(join_timeout_s)
+        config = assignment.config
+        if config.parallel.nnodes != nnodes or config.parallel.node_rank != node_rank:
+            raise ValueError(f"the leader runs nnodes={config.parallel.nnodes}, this node was "
+                             f"started with nnodes={nnodes}, node_rank={node_rank}")
+        return _serve(client, config, assignment, secret, bind_addr or config.node_bind_addr,
+                      stop or threading.Event())
+    finally:
+        client.close()
+
+
+def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignment,
+           secret: str, bind_addr: str, stop: threading.Event) -> int:
+    life = Lifecycle(TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s))
+    try:
+        try:
+            _start_workers(life, config, assignment, secret, bind_addr)
+            deadline = time.monotonic() + config.startup_timeout_s
+            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s)
+        except WorkerStartupError as exc:
+            client.send(FAILED, [str(exc).encode()])
+            raise
+        client.send(READY, [pickle.dumps({m.rank: m.reply_handle for m in ready})])
+        logger.info("node %d: ranks %s ready", client.node_rank,
+                    [h.rank for h in life.handles])
+        return _watch(client, config, life, stop)
+    finally:
+        life.close()
+
+
+def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
+                   secret: str, bind_addr: str) -> None:
+    context = get_mp_context(maybe_force_spawn(config.mp_start_method))
+    launcher = LocalProcessLauncher(context)
+    main_thread = threading.current_thread() is threading.main_thread()
+    for ctx in worker_contexts(config, assignment.distributed_init_method):
+        threads = config.omp_threads_for(ctx.local_rank)
+        env = {} if threads is None and config.device_type == "cpu" else thread_vars(
+            threads, os.environ)
+        cpus = config.cpus_for(ctx.local_rank)
+        spec_for = partial(
+            WorkerSpec, context=ctx, broadcast_handle=assignment.broadcast_handle,
+            driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
+            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env,
+            reply_connect_ip=bind_addr, cluster_secret=secret)
+        life.handles.append(launcher.start(spec_for))
+
+
+def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
+           stop: threading.Event) -> int:
+    next_ping = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= next_ping:
+            next_ping = now + config.node_heartbeat_s
+            client.send(PING, [])
+        # Exit code 0 is a worker leaving because the leader closed the
+        # broadcast queue: the leader's BYE is on its way.
+        dead = next((h for h in life.handles if not h.is_alive() and h.exitcode != 0), None)
+        if dead is not None:
+            what = (f"worker rank {dead.rank} (pid {dead.pid}) died: "
+                    f"{dead.describe_exit()}")
+            logger.error("node %d: %s", client.node_rank, what)
+            client.send(FAILED, [what.encode()])
+            return 1
+        if stop.is_set():
+            client.send(BYE, [])
+            return 0
+        silent = now - client.last_heard
+        if silent > config.node_timeout_s:
+            logger.error("node %d: the leader at %s is gone (no heartbeat for %.1f s); "
+                         "ending this node", client.node_rank, client.address, silent)
+            return 1
+        kind = client.poll(_POLL_S)
+        if kind == BYE:
+            logger.info("node %d: the leader ended the executor", client.node_rank)
+            life.close()
+            client.send(BYE, [])
+            return 0

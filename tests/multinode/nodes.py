@@ -1,0 +1,53 @@
+"""Starting follower nodes as separate process trees on 127.0.0.1 (tests only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import descendants
+
+SECRET = "a-test-cluster-secret-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port free right now (the follower dials it before the leader binds)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_follower(port: int, node_rank: int = 1, nnodes: int = 2,
+                   secret: str = SECRET, cli: bool = False) -> subprocess.Popen[bytes]:
+    """A follower in a new session: its own process tree, not one of ours."""
+    env = {**os.environ, "MPEXEC_CLUSTER_SECRET": secret,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    if cli:
+        args = [sys.executable, "-m", "mpexec", "node", "--nnodes", str(nnodes),
+                "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                "--master-port", str(port)]
+    else:
+        args = [sys.executable, "-c",
+                "import sys, logging; logging.basicConfig(level=logging.INFO); "
+                "from mpexec.executor.node import run_follower; "
+                f"sys.exit(run_follower({nnodes}, {node_rank}, '127.0.0.1', {port}, "
+                "join_timeout_s=60))"]
+    return subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def tree_of(pid: int) -> set[int]:
+    return {pid} | descendants(pid)
+
+
+def kill_tree(pid: int) -> None:
+    for p in tree_of(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
