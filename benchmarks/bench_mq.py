@@ -13,12 +13,12 @@ Figures, each compared with baselines measured in the same run:
    MessageQueue against ``multiprocessing.Pipe``, ZeroMQ over ``ipc://`` and
    the *floor*: the least a shared-memory ring can do in pure Python (one
    slot, one write counter, one read counter per reader, spin with
-   ``sched_yield``), defined in this file.  On a small machine where the
+   ``sched_yield``), in ``mqbench/floor.py``.  On a small machine where the
    processes run matters as much as the transport (a reader spinning on the
    driver's CPU costs a context switch per hop), so each round trip is
    measured unpinned and with two pinnings (``--placements``);
 2. broadcast of a 64 MiB numpy array and of 64 MiB of ``bytes`` to N readers,
-   against one 64 MiB memcpy;
+   against one warm 64 MiB memcpy (and a page-touching read of the array);
 3. CPU used by a reader blocked in ``dequeue()``, and by one receiving
    20 messages/s, against a reader blocked on a Pipe;
 4. wake-up latency of a reader that has gone to sleep (and what the spinning
