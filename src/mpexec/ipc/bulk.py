@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpexec.ipc import layout, sync
-from mpexec.ipc.limits import check_reservation
+from mpexec.ipc.limits import check_reservation, reservation_failed
 from mpexec.ipc.serialization import Frame, iter_pieces, write_into
 from mpexec.ipc.shm import (
     GrowableMapping,
@@ -218,6 +218,11 @@ def map_bulk(pid: int, fd: int, inode: int, size: int, what: str,
     own = open_peer_fd(pid, fd, inode, os.O_RDONLY, what)
     try:
         return map_private(own, size, on_release)
+    except OSError as err:  # e.g. RLIMIT_AS of this reader: the message is lost, not the queue
+        if on_release is not None:
+            on_release()   # nothing of it is held here: the writer may reuse the slot
+        raise reservation_failed(err, size, f"mapping a {size / 2**20:.1f} MiB message "
+                                 f"from {what}") from None
     finally:
         os.close(own)
 
