@@ -23,7 +23,9 @@ Figures, each compared with baselines measured in the same run:
    20 messages/s, against a reader blocked on a Pipe;
 4. wake-up latency of a reader that has gone to sleep (and what the spinning
    floor pays to avoid sleeping);
-5. shared memory taken by the default queue sizes.
+5. shared memory taken by the default queue sizes;
+6. (``--sections path``) the queue's own code path in one process, the
+   figure to compare two versions with on a loaded machine.
 
 Readers are separate processes started with the ``spawn`` method.  Every wait
 is bounded, children are reaped and every queue is shut down on every path.
@@ -58,6 +60,7 @@ from harness import (  # noqa: E402
 )
 from mqbench.fig_bcast import figure_bcast  # noqa: E402
 from mqbench.fig_cpu import figure_cpu_wake  # noqa: E402
+from mqbench.fig_path import figure_path  # noqa: E402
 from mqbench.fig_rtt import figure_rtt  # noqa: E402
 from mqbench.fig_shm import figure_shm  # noqa: E402
 
@@ -76,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="round-trip passes per transport, order alternating (default 2; quick 1)")
     p.add_argument("--bcast-readers", default="1,2", help="reader counts for 64 MiB broadcasts")
     p.add_argument("--sections", default="rtt,bcast,cpu,shm",
-                   help="comma list of: rtt, bcast, cpu (cpu + wake-up), shm")
+                   help="comma list of: rtt, bcast, cpu (cpu + wake-up), shm, path (the "
+                        "queue's code path in one process; not in the default set)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     p.add_argument("--max-seconds", type=float, default=900.0,
                    help="abort (dumping stacks) if the whole run exceeds this")
@@ -92,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.placements or set(args.placements) - set(PLACEMENTS):
         p.error(f"--placements: choose from {', '.join(PLACEMENTS)}")
     args.sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    unknown = args.sections - {"rtt", "bcast", "cpu", "shm"}
+    unknown = args.sections - {"rtt", "bcast", "cpu", "shm", "path"}
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}")
     if args.iters is None:
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             figure_cpu_wake(ctx, idle_s, rate_s, wake_samples, results)
         if "shm" in args.sections:
             figure_shm(results)
+        if "path" in args.sections:
+            figure_path(results, quick)
     except BaseException as err:
         status = 1
         print(f"\nFAILED: {err!r}", file=sys.stderr)
