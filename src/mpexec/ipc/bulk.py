@@ -101,12 +101,12 @@ class _Slot:
 
     __slots__ = ("fd", "inode", "capacity", "generation", "memory")
 
-    def __init__(self, fd: int, capacity: int) -> None:
+    def __init__(self, fd: int, capacity: int, what: str) -> None:
         self.fd = fd
         self.inode = os.fstat(fd).st_ino
         self.capacity = capacity
         self.generation = 0
-        self.memory = GrowableMapping(fd, capacity)
+        self.memory = GrowableMapping(fd, capacity, what)
 
     def close(self) -> None:
         self.memory.close()
@@ -124,7 +124,7 @@ class BulkWriter:
 
     def put(self, frame: Frame, seq: int, what: str) -> tuple[int, int, int, int]:
         """Write ``frame``; return (fd, inode, slot or NO_SLOT, generation)."""
-        index = self._free_slot(frame.nbytes)
+        index = self._free_slot(frame.nbytes, what)
         if index is None:
             check_reservation(frame.nbytes, what, mapped=False)
             fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
@@ -161,7 +161,7 @@ class BulkWriter:
             self._slots[index] = None
             cached -= capacity
 
-    def _free_slot(self, size: int) -> int | None:
+    def _free_slot(self, size: int, what: str) -> int | None:
         best: int | None = None
         empty: int | None = None
         small_free: int | None = None
@@ -186,9 +186,9 @@ class BulkWriter:
             old.close()
             self._slots[target] = None
         capacity = _capacity_for(size)
-        fd = create_memfd(segment_name(self._name + "-bulk"), 0, "a bulk message")
+        fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
         try:
-            self._slots[target] = _Slot(fd, capacity)
+            self._slots[target] = _Slot(fd, capacity, what)
         except BaseException:
             os.close(fd)
             raise

@@ -223,15 +223,16 @@ class GrowableMapping:
     ``filled`` are never touched: that would be a SIGBUS.
     """
 
-    def __init__(self, fd: int, capacity: int) -> None:
+    def __init__(self, fd: int, capacity: int, what: str) -> None:
         self.fd = fd
         self.capacity = capacity
         self.filled = 0
         address = _mmap(None, capacity, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
                         fd, 0)
         if address is None or address == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {capacity} bytes failed: {os.strerror(err)}")
+            err = ctypes.get_errno()   # ENOMEM here is address space (RLIMIT_AS), not pages
+            raise reservation_error(OSError(err, os.strerror(err)), capacity,
+                                    f"the address space of {what}")
         self.address: int = address
         self.view: memoryview | None = memoryview(
             (ctypes.c_ubyte * capacity).from_address(address)).cast("B")
