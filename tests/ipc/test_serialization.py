@@ -161,3 +161,13 @@ def test_large_bytes_travel_as_blobs_and_arrive_as_bytes() -> None:
     back = loads(bytearray(dumps(message)))
     assert back == message and type(back["a"]) is bytes
     assert back["a"] is back["again"]   # identity within the message is kept
+
+
+def test_bytes_from_copies_exactly_whatever_the_view() -> None:
+    from mpexec.ipc.hugebytes import bytes_from
+
+    data = bytearray(range(256)) * (24 << 12)   # 6 MiB: large enough for huge pages
+    for view in (memoryview(data), memoryview(data)[7:-5], memoryview(bytes(data)),
+                 memoryview(data)[:100]):
+        out = bytes_from(view)
+        assert type(out) is bytes and out == view.tobytes()
