@@ -63,6 +63,10 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
             "ranks": group.ranks, "rank_in_group": group.rank_in_group,
             "first": group.is_first_rank, "last": group.is_last_rank,
             "next": group.next_rank, "prev": group.prev_rank}
+        # first use under inference mode, later ones outside it, one needing grad
+        with torch.inference_mode():
+            res["inference"] = group.all_reduce(torch.ones(3))
+        res["grad"] = group.all_reduce(torch.ones(3, requires_grad=True)).detach()
         for n in SIZES:
             for dtype in DTYPES:
                 res[f"sum{n}{dtype}"] = group.all_reduce(make_input(rank, name, n, dtype))
@@ -152,6 +156,8 @@ def check(layout: ParallelLayout, results: list[dict[str, Any]], use_shm: bool) 
                     peer = results[ranks[0]][name][f"sum{n}{dtype}"]
                     if shm:
                         assert torch.equal(got, peer)
+            assert torch.equal(res["inference"], torch.full((3,), float(len(ranks))))
+            assert torch.equal(res["grad"], torch.full((3,), float(len(ranks))))
             inputs = [gather_input(r, j) for j, r in enumerate(ranks)]
             assert torch.equal(res["gather1"], torch.cat(inputs, dim=1))
             assert torch.equal(res["gather_last"],

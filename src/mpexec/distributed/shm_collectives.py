@@ -129,7 +129,8 @@ class ShmCommunicator:
         self._drop_segment()
         self._segment = segment
         self.capacity = capacity
-        self._data = torch.frombuffer(segment.map, dtype=torch.uint8)
+        with torch.inference_mode(False):  # see _slot
+            self._data = torch.frombuffer(segment.map, dtype=torch.uint8)
 
     def _drop_segment(self) -> None:
         # Tensor views export the mapping's buffer: drop them before unmapping.
@@ -145,7 +146,10 @@ class ShmCommunicator:
         if view is None:
             assert self._data is not None
             start = self.world_size * LINE + (buffer * self.world_size + rank) * self.capacity
-            view = self._data[start:start + self.capacity].view(dtype)
+            # A view made under inference mode would be an inference tensor,
+            # which refuses in-place writes outside it: make a normal one.
+            with torch.inference_mode(False):
+                view = self._data[start:start + self.capacity].view(dtype)
             self._views[key] = view
         return view
 
@@ -251,7 +255,17 @@ class ShmCommunicator:
         exchanged = self._exchange(tensor, 0)
         if exchanged is None:
             return False
-        buffer, _sizes = exchanged
+        buffer, sizes = exchanged
+        if len(set(sizes)) != 1:
+            raise ValueError(f"all_reduce: the ranks passed tensors of different byte sizes "
+                             f"{sizes}: every rank must pass the same shape and dtype")
+        if tensor.requires_grad:  # a collective is not differentiable: write through
+            with torch.no_grad():
+                return self._reduce_into(tensor, buffer)
+        return self._reduce_into(tensor, buffer)
+
+    def _reduce_into(self, tensor: torch.Tensor, buffer: int) -> bool:
+        nbytes = tensor.numel() * tensor.element_size()
         if nbytes >= TWO_PHASE_BYTES and self.world_size > 2:
             self._reduce_chunks(tensor, buffer)
             return True
