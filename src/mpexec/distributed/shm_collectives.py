@@ -72,6 +72,8 @@ MIN_CAPACITY = 16 << 10
 # Spin a little before sleeping: the peer of a tensor-parallel step usually
 # arrives within microseconds, and a futex round trip costs tens of them.
 SPIN_S = 0.002
+# Looks at the peers' words before the spin-then-sleep machinery starts.
+FAST_SPINS = 32
 # Each sleep is at most this long; a dead peer is noticed within one tick.
 TICK_S = 0.1
 LOG_INTERVAL_S = 60.0
@@ -107,6 +109,14 @@ class ShmCommunicator:
         self._data: torch.Tensor | None = None
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.capacity = 0
+        # Word indexes into the control lines, computed once (the hot path is Python).
+        self._seq_cells = [self._cell(r, SEQ) for r in range(self.world_size)]
+        self._peer_sleeping_cells = [self._cell(r, SLEEPING) for r in range(self.world_size)
+                                     if r != rank]
+        self._nbytes_cells = [[self._cell(r, NBYTES + 8 * b) for r in range(self.world_size)]
+                              for b in (0, 1)]
+        self._extent_cells = [[self._cell(r, EXTENT + 8 * b) for r in range(self.world_size)]
+                              for b in (0, 1)]
         self._watch = PeerWatch({r: p for r, p in enumerate(pids) if r != rank}, self.what)
         try:
             self._map_new_segment(_round_capacity(min(capacity, max_bytes)))
@@ -169,13 +179,13 @@ class ShmCommunicator:
             self._slot(buffer, self.rank, tensor.dtype)[:tensor.numel()].copy_(
                 tensor.reshape(-1))
         cells = self._segment.cells
-        cells[self._cell(self.rank, NBYTES + 8 * buffer)] = nbytes
-        cells[self._cell(self.rank, EXTENT + 8 * buffer)] = extent
+        cells[self._nbytes_cells[buffer][self.rank]] = nbytes
+        cells[self._extent_cells[buffer][self.rank]] = extent
         sync.release_fence()
-        cells[self._cell(self.rank, SEQ)] = seq
+        cells[self._seq_cells[self.rank]] = seq
         sync.full_fence()
-        for peer in range(self.world_size):
-            if peer != self.rank and cells[self._cell(peer, SLEEPING)]:
+        for sleeping in self._peer_sleeping_cells:
+            if cells[sleeping]:
                 sync.futex_wake(self._segment.address + sync.low_word_offset(
                     self.rank * LINE + SEQ))
                 break
@@ -185,14 +195,14 @@ class ShmCommunicator:
         """Step 3: return once every rank has published the current collective."""
         assert self._segment is not None
         cells, seq, address = self._segment.cells, self._seq, self._segment.address
-        seq_cells = [self._cell(r, SEQ) for r in range(self.world_size)]
+        seq_cells = self._seq_cells
+        for _ in range(FAST_SPINS):  # most peers arrive within these looks
+            if all(cells[c] >= seq for c in seq_cells):
+                sync.acquire_fence()
+                return
 
         def everyone_arrived() -> bool:
             return all(cells[c] >= seq for c in seq_cells)
-
-        if everyone_arrived():
-            sync.acquire_fence()
-            return
 
         def first_behind() -> tuple[int, int]:
             for r, c in enumerate(seq_cells):
@@ -231,8 +241,7 @@ class ShmCommunicator:
                 self._wait_for_peers()
                 assert self._segment is not None
                 cells = self._segment.cells
-                sizes = [cells[self._cell(r, NBYTES + 8 * buffer)]
-                         for r in range(self.world_size)]
+                sizes = [cells[c] for c in self._nbytes_cells[buffer]]
                 largest = max(sizes)
                 if largest <= self.capacity:
                     return buffer, sizes
@@ -316,7 +325,7 @@ class ShmCommunicator:
         parts = []
         for r in range(self.world_size):
             shape = list(contiguous.shape)
-            shape[dim] = cells[self._cell(r, EXTENT + 8 * buffer)]
+            shape[dim] = cells[self._extent_cells[buffer][r]]
             numel = math.prod(shape)
             if numel * contiguous.element_size() != sizes[r]:
                 raise ValueError(
