@@ -13,8 +13,9 @@ One table per run, every figure measured in the same run:
 2. all_gather of the same sizes (each rank contributes that size):
    ``GroupCoordinator.all_gather`` against gloo's ``all_gather`` plus the
    ``cat`` that makes it one tensor;
-3. send/recv of a [16, 576] float32 hidden state between two stages (gloo,
-   half of a measured round trip; there is no shared-memory route for it);
+3. send/recv of a [16, 576] float32 hidden state between two stages, half
+   of a measured round trip: ``GroupCoordinator.send``/``recv`` (a
+   MessageQueue per direction) against gloo's ``send``/``recv``;
 4. CPU used by a rank waiting ``--idle-s`` seconds in an all_reduce for a
    peer that sleeps.
 
@@ -123,9 +124,19 @@ def run_rank(rank: int, world_size: int, init: str, quick: bool, idle_s: float,
                     dist.recv(hidden, peer, group=tp.cpu_group)
                     dist.send(hidden, peer, group=tp.cpu_group)
 
-            timed(ping_pong, 20)
-            out[("send/recv [16,576]", "36 KiB", "gloo")] = [
-                s / 2 for s in timed(ping_pong, 200 if quick else 1000)]
+            def shm_ping_pong() -> None:
+                if rank == 0:
+                    tp.send(hidden, peer)
+                    tp.recv(hidden.shape, hidden.dtype, peer)
+                else:
+                    got = tp.recv(hidden.shape, hidden.dtype, peer)
+                    tp.send(got, peer)
+
+            n = 200 if quick else 1000
+            for path, fn in (("shm", shm_ping_pong), ("gloo", ping_pong)):
+                timed(fn, 20)
+                out[("send/recv [16,576]", "36 KiB", path)] = [s / 2 for s in timed(fn, n)]
+            assert tp.point_to_point_routes() == {(rank, peer): "shm", (peer, rank): "shm"}
             tp.barrier()
             if rank == 0:
                 before = time.process_time()

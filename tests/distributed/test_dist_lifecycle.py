@@ -158,6 +158,36 @@ def test_peer_killed_mid_collective(delay: float, use_shm: bool, leak_check: Non
         assert out["waited"] < 10
 
 
+def die_between_stages(rank: int, world_size: int, init_method: str) -> Any:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp = d.get_pp_group()
+    if pp.is_first_rank:
+        pp.send_tensor_dict({"hidden": torch.ones(16, 576)})
+        time.sleep(0.3)  # the next stage is waiting for the second one by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    first = pp.recv_tensor_dict()
+    started = time.monotonic()
+    try:
+        pp.recv_tensor_dict()
+        error = None
+    except RuntimeError as exc:
+        error = type(exc).__name__
+    waited = time.monotonic() - started
+    routes = pp.point_to_point_routes()
+    d.destroy_distributed_environment()
+    return {"first": first["hidden"].sum().item(), "error": error, "waited": waited,
+            "routes": routes}
+
+
+def test_stage_killed_while_the_next_waits(leak_check: None) -> None:
+    out = run_ranks(2, die_between_stages, timeout=30, expect_dead=frozenset({0}))[1]
+    assert out["routes"] == {(0, 1): "shm"}
+    assert out["first"] == 16 * 576
+    assert out["error"] == "PeerDiedError"
+    assert out["waited"] < 10
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)
