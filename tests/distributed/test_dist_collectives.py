@@ -208,3 +208,10 @@ def test_shared_memory_path(layout: ParallelLayout, leak_check: None) -> None:
 def test_gloo_path(layout: ParallelLayout, leak_check: None) -> None:
     results = run_ranks(layout.world_size, exercise, layout, False)
     check(layout, results, use_shm=False)
+
+
+def test_spawned_ranks(leak_check: None) -> None:
+    # The executor starts workers with spawn by default: nothing may rely on fork.
+    layout = ParallelLayout(tp=2)
+    check(layout, run_ranks(2, exercise, layout, True, start_method="spawn", timeout=120),
+          use_shm=True)
