@@ -188,6 +188,34 @@ def test_stage_killed_while_the_next_waits(leak_check: None) -> None:
     assert out["waited"] < 10
 
 
+def refuse_shared_memory(rank: int, world_size: int, init_method: str,
+                         who: int, step: str) -> Any:
+    from mpexec.distributed import shm_collectives
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(12, "no memory for you")
+
+    if rank == who:  # this rank cannot create (rank 0) or map (the others) the segment
+        setattr(shm_collectives.Segment, step, refuse)
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    total = tp.all_reduce(torch.full((5,), rank + 1.0))
+    gathered = tp.all_gather(torch.full((1,), float(rank)), dim=0)
+    active = tp.shm_active
+    d.destroy_distributed_environment()
+    return total, gathered, active
+
+
+@pytest.mark.parametrize("who, step", [(0, "create"), (2, "attach")])
+def test_a_rank_that_cannot_map_the_segment_keeps_the_group_on_gloo(
+        who: int, step: str, leak_check: None) -> None:
+    for total, gathered, active in run_ranks(3, refuse_shared_memory, who, step):
+        assert not active
+        assert torch.equal(total, torch.full((5,), 6.0))
+        assert torch.equal(gathered, torch.arange(3.0))
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)

@@ -131,10 +131,17 @@ class ShmCommunicator:
         size = self.world_size * LINE + 2 * self.world_size * capacity
         segment = None
         if self.rank == 0:
-            segment = Segment.create(segment_name("allreduce"), size, self.what)
-            ref = self._broadcast(segment.ref())
+            try:
+                segment = Segment.create(segment_name("allreduce"), size, self.what)
+            except BaseException:
+                self._broadcast(None)  # the others are waiting for a reference: free them
+                raise
+            self._broadcast(segment.ref())
         else:
             ref = self._broadcast(None)
+            if ref is None:
+                raise RuntimeError(f"{self.what}: group rank 0 could not create the "
+                                   f"{size / 2**20:.1f} MiB segment (see its log)")
             segment = Segment.attach(ref, self.what)
         self._drop_segment()
         self._segment = segment
