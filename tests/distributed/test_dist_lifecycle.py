@@ -216,6 +216,28 @@ def test_a_rank_that_cannot_map_the_segment_keeps_the_group_on_gloo(
         assert torch.equal(gathered, torch.arange(3.0))
 
 
+def stopped_peer(rank: int, world_size: int, init_method: str) -> Any:
+    import threading
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    pids = tp.all_gather_object(os.getpid())
+    tp.all_reduce(torch.ones(2))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 wakes us after a while
+    else:
+        threading.Timer(0.5, os.kill, (pids[1], signal.SIGCONT)).start()
+    total = tp.all_reduce(torch.ones(2))
+    d.destroy_distributed_environment()
+    return total
+
+
+def test_a_stopped_peer_is_waited_for_not_declared_dead(leak_check: None) -> None:
+    for total in run_ranks(2, stopped_peer, timeout=30):
+        assert torch.equal(total, torch.full((2,), 2.0))
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)
