@@ -238,6 +238,26 @@ def test_a_stopped_peer_is_waited_for_not_declared_dead(leak_check: None) -> Non
         assert torch.equal(total, torch.full((2,), 2.0))
 
 
+def mismatched_shapes(rank: int, world_size: int, init_method: str) -> Any:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    try:
+        tp.all_reduce(torch.ones(4 + rank))
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    after = tp.all_reduce(torch.ones(3))  # the group stays in step
+    d.destroy_distributed_environment()
+    return error, after
+
+
+def test_all_reduce_of_different_sizes_fails_on_every_rank(leak_check: None) -> None:
+    for error, after in run_ranks(2, mismatched_shapes):
+        assert error is not None and "different byte sizes [16, 20]" in error
+        assert torch.equal(after, torch.full((3,), 2.0))
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)
