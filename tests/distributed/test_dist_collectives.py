@@ -210,6 +210,7 @@ def test_gloo_path(layout: ParallelLayout, leak_check: None) -> None:
     check(layout, results, use_shm=False)
 
 
+@pytest.mark.slow
 def test_spawned_ranks(leak_check: None) -> None:
     # The executor starts workers with spawn by default: nothing may rely on fork.
     layout = ParallelLayout(tp=2)

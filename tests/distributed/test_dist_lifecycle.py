@@ -42,6 +42,8 @@ def test_nccl_without_cuda_names_gloo(tmp_path: Path) -> None:
         d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "nccl")
     with pytest.raises(RuntimeError, match="'no-such-backend' is not available"):
         d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "no-such-backend")
+    with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size \(2\)\)"):
+        d.init_distributed_environment(2, 2, 0, f"file://{tmp_path}/store", "gloo")
     assert not torch.distributed.is_initialized()
 
 
@@ -53,6 +55,8 @@ def test_single_rank_world_in_process(tmp_path: Path, leak_check: None) -> None:
             d.init_distributed_environment(1, 0, 0, init + "-other", "gloo")
         with pytest.raises(ValueError, match=r"world size 1 != .* = 2"):
             d.initialize_model_parallel(tensor_model_parallel_size=2)
+        with pytest.raises(ValueError, match="positive integer"):
+            d.initialize_model_parallel(tensor_model_parallel_size=0)
         assert not d.model_parallel_is_initialized()
         d.initialize_model_parallel()
         d.initialize_model_parallel()  # the same layout again: nothing to do
