@@ -231,7 +231,17 @@ def stopped_peer(rank: int, world_size: int, init_method: str) -> Any:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 wakes us after a while
     else:
-        threading.Timer(0.5, os.kill, (pids[1], signal.SIGCONT)).start()
+        def wake_once_stopped() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # SIGCONT before SIGSTOP would be lost
+                stat = Path(f"/proc/{pids[1]}/stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] == "T":
+                    break
+                time.sleep(0.01)
+            time.sleep(0.3)  # rank 0 is asleep in the collective by now
+            os.kill(pids[1], signal.SIGCONT)
+
+        threading.Thread(target=wake_once_stopped, daemon=True).start()
     total = tp.all_reduce(torch.ones(2))
     d.destroy_distributed_environment()
     return total
