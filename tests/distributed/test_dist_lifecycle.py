@@ -272,6 +272,44 @@ def test_all_reduce_of_different_sizes_fails_on_every_rank(leak_check: None) -> 
         assert torch.equal(after, torch.full((3,), 2.0))
 
 
+def two_threads(rank: int, world_size: int, init_method: str) -> Any:
+    import threading
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    tp.all_reduce(torch.ones(2))
+    error = None
+    flag = Path(init_method.removeprefix("file://") + ".go")  # in run_ranks' temp dir
+    if rank == 0:
+        background: list[Any] = []
+        thread = threading.Thread(target=lambda: background.append(tp.all_reduce(torch.ones(2))))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not tp._shm._busy.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the thread waits in the collective for rank 1
+        try:
+            tp.all_reduce(torch.ones(2))
+        except RuntimeError as exc:
+            error = str(exc)
+        flag.touch()  # now rank 1 may join the thread's collective
+        thread.join(20)
+        total = background[0]
+    else:
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        total = tp.all_reduce(torch.ones(2))
+    d.destroy_distributed_environment()
+    return error, total
+
+
+def test_a_second_thread_in_a_collective_is_refused(leak_check: None) -> None:
+    (error, total), (_, peer_total) = run_ranks(2, two_threads, timeout=30)
+    assert error is not None and "another thread is inside a collective" in error
+    assert torch.equal(total, torch.full((2,), 2.0)) and torch.equal(peer_total, total)
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,9 @@ class ShmCommunicator:
         self._broadcast = broadcast
         self._seq = 0
         self._broken: BaseException | None = None
+        # Collectives must run one at a time, in the same order on every rank;
+        # a second thread entering would silently corrupt the sequence.
+        self._busy = threading.Lock()
         self._segment: Segment | None = None
         self._data: torch.Tensor | None = None
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
@@ -263,8 +267,21 @@ class ShmCommunicator:
 
     # -- collectives -----------------------------------------------------------
 
+    def _enter(self, what: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self.what}: {what} called while another thread is inside a collective "
+                "of this group; a group's collectives must run one at a time")
+
     def all_reduce(self, tensor: torch.Tensor) -> bool:
         """Sum ``tensor`` (contiguous, CPU) over the group in place; False: use gloo."""
+        self._enter("all_reduce")
+        try:
+            return self._all_reduce(tensor)
+        finally:
+            self._busy.release()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self.max_bytes:
             return False  # every rank holds the same shape: they all decide alike
@@ -322,6 +339,13 @@ class ShmCommunicator:
         Sizes along ``dim`` may differ between ranks; the other dimensions
         must agree.
         """
+        self._enter("all_gather")
+        try:
+            return self._all_gather(tensor, dim)
+        finally:
+            self._busy.release()
+
+    def _all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
         contiguous = tensor.contiguous()
         exchanged = self._exchange(contiguous, contiguous.shape[dim])
         if exchanged is None:
