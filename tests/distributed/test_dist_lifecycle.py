@@ -364,9 +364,6 @@ def queue_over_group(rank: int, world_size: int, init_method: str) -> Any:
 
 
 def test_message_queue_over_a_group(leak_check: None) -> None:
-    from mpexec.ipc import MessageQueue
 
-    if not hasattr(MessageQueue, "create_from_process_group"):
-        pytest.skip("MessageQueue.create_from_process_group has not landed yet")
     for got in run_ranks(3, queue_over_group):
         assert got == [{"step": 0}, {"step": 1}, {"step": 2}]
