@@ -13,13 +13,15 @@ One table per run, every figure measured in the same run:
 2. all_gather of the same sizes (each rank contributes that size):
    ``GroupCoordinator.all_gather`` against gloo's ``all_gather`` plus the
    ``cat`` that makes it one tensor;
-3. send/recv of a [16, 576] float32 hidden state between two stages (gloo,
-   half of a measured round trip; there is no shared-memory route for it);
+3. send/recv of a [16, 576] float32 hidden state between two stages, half
+   of a measured round trip: ``GroupCoordinator.send``/``recv`` (a
+   MessageQueue per direction) against gloo's ``send``/``recv``;
 4. CPU used by a rank waiting ``--idle-s`` seconds in an all_reduce for a
    peer that sleeps.
 
 Ranks are forked processes of one ``file://`` world; each iteration is a
-collective, so the ranks stay in step.  The figures are rank 0's.  Exit
+collective, so the ranks stay in step.  The two paths alternate call by
+call, so that the load of a shared machine weighs on both alike.  The figures are rank 0's.  Exit
 status 0 when every run finished and every result checked out.
 """
 
@@ -56,6 +58,21 @@ def timed(fn: Any, iters: int) -> list[float]:
     return samples
 
 
+def timed_pair(shm: Any, gloo: Any, iters: int,
+               prepare: Any = None) -> tuple[list[float], list[float]]:
+    """Alternate the two paths call by call, so that a change of load on a
+    shared machine hits both alike; ``prepare()`` runs untimed before each."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(iters):
+        for fn, out in zip((shm, gloo), samples, strict=True):
+            if prepare is not None:
+                prepare()
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e6)
+    return samples
+
+
 def iterations(numel: int, quick: bool) -> int:
     n = 1000 if numel < 10_000 else 300 if numel < 100_000 else 40
     return max(n // 5, 10) if quick else n
@@ -76,10 +93,10 @@ def measure_size(tp: Any, rank: int, world_size: int, label: str, numel: int,
     assert tp.shm_active
     n = iterations(numel, quick)
     buf = x.clone()
-    out[("all_reduce", label, "shm")] = timed(lambda: tp.all_reduce(buf.copy_(x)), n)
-    assert buf[0].item() == expected
-    out[("all_reduce", label, "gloo")] = timed(
-        lambda: dist.all_reduce(buf.copy_(x), group=tp.cpu_group), n)
+    shm, gloo = timed_pair(lambda: tp.all_reduce(buf),
+                           lambda: dist.all_reduce(buf, group=tp.cpu_group), n,
+                           prepare=lambda: buf.copy_(x))
+    out[("all_reduce", label, "shm")], out[("all_reduce", label, "gloo")] = shm, gloo
     assert buf[0].item() == expected
     parts = [torch.empty_like(x) for _ in range(world_size)]
 
@@ -90,8 +107,8 @@ def measure_size(tp: Any, rank: int, world_size: int, label: str, numel: int,
     for _ in range(3):
         tp.all_gather(x, dim=0)
         gloo_gather()
-    out[("all_gather", label, "shm")] = timed(lambda: tp.all_gather(x, dim=0), n)
-    out[("all_gather", label, "gloo")] = timed(gloo_gather, n)
+    shm, gloo = timed_pair(lambda: tp.all_gather(x, dim=0), gloo_gather, n)
+    out[("all_gather", label, "shm")], out[("all_gather", label, "gloo")] = shm, gloo
     assert torch.equal(tp.all_gather(x, dim=0), gloo_gather())
     return out
 
@@ -123,9 +140,20 @@ def run_rank(rank: int, world_size: int, init: str, quick: bool, idle_s: float,
                     dist.recv(hidden, peer, group=tp.cpu_group)
                     dist.send(hidden, peer, group=tp.cpu_group)
 
+            def shm_ping_pong() -> None:
+                if rank == 0:
+                    tp.send(hidden, peer)
+                    tp.recv(hidden.shape, hidden.dtype, peer)
+                else:
+                    got = tp.recv(hidden.shape, hidden.dtype, peer)
+                    tp.send(got, peer)
+
+            timed(shm_ping_pong, 20)
             timed(ping_pong, 20)
-            out[("send/recv [16,576]", "36 KiB", "gloo")] = [
-                s / 2 for s in timed(ping_pong, 200 if quick else 1000)]
+            shm, gloo = timed_pair(shm_ping_pong, ping_pong, 200 if quick else 1000)
+            out[("send/recv [16,576]", "36 KiB", "shm")] = [s / 2 for s in shm]
+            out[("send/recv [16,576]", "36 KiB", "gloo")] = [s / 2 for s in gloo]
+            assert tp.point_to_point_routes() == {(rank, peer): "shm", (peer, rank): "shm"}
             tp.barrier()
             if rank == 0:
                 before = time.process_time()

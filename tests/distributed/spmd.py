@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 FORK = multiprocessing.get_context("fork")
+SPAWN = multiprocessing.get_context("spawn")
 
 
 class RankFailed(AssertionError):
@@ -42,15 +43,20 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_method: str,
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
-              timeout: float = 60.0, expect_dead: frozenset[int] = frozenset()) -> list[Any]:
-    """Per-rank results of ``fn``; ranks in ``expect_dead`` may die without a result."""
+              timeout: float = 60.0, expect_dead: frozenset[int] = frozenset(),
+              start_method: str = "fork") -> list[Any]:
+    """Per-rank results of ``fn``; ranks in ``expect_dead`` may die without a result.
+
+    With ``start_method="spawn"``, ``fn`` must be importable by module path.
+    """
+    ctx = FORK if start_method == "fork" else SPAWN
     tmp = tempfile.mkdtemp(prefix="mpexec-dist-")
     init_method = f"file://{os.path.join(tmp, 'store')}"
     procs, conns = [], []
     try:
         for rank in range(world_size):
-            parent_end, child_end = FORK.Pipe(duplex=False)
-            proc = FORK.Process(target=_child, name=f"rank{rank}",
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, name=f"rank{rank}",
                                 args=(fn, rank, world_size, init_method, args, child_end))
             proc.start()
             child_end.close()

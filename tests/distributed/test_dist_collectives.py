@@ -63,6 +63,10 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
             "ranks": group.ranks, "rank_in_group": group.rank_in_group,
             "first": group.is_first_rank, "last": group.is_last_rank,
             "next": group.next_rank, "prev": group.prev_rank}
+        # first use under inference mode, later ones outside it, one needing grad
+        with torch.inference_mode():
+            res["inference"] = group.all_reduce(torch.ones(3))
+        res["grad"] = group.all_reduce(torch.ones(3, requires_grad=True)).detach()
         for n in SIZES:
             for dtype in DTYPES:
                 res[f"sum{n}{dtype}"] = group.all_reduce(make_input(rank, name, n, dtype))
@@ -77,6 +81,7 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
         res["shm"] = group.shm_active
         out[name] = res
     pp = d.get_pp_group()
+    stage = pp.rank_in_group
     if pp.world_size > 1:
         # along the pipeline: each stage adds its stage number and passes on
         if pp.is_first_rank:
@@ -85,13 +90,17 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
                       "empty": torch.empty(0, 4), "step": 0}
         else:
             hidden = pp.recv_tensor_dict()
+            hidden["hidden"].add_(0)  # what arrives is the receiver's own, writable memory
             out["received"] = hidden
         if not pp.is_last_rank:
             hidden = {k: v + 1 for k, v in hidden.items()}  # tensors and the step alike
             pp.send_tensor_dict(hidden)
             pp.send(torch.arange(4.0) + rank, pp.rank_in_group + 1)
+            pp.send_object({"stage": stage}, pp.rank_in_group + 1)
         if not pp.is_first_rank:
             out["plain"] = pp.recv((4,), torch.float32, pp.rank_in_group - 1)
+            out["object"] = pp.recv_object(pp.rank_in_group - 1)
+        out["routes"] = pp.point_to_point_routes()
     d.destroy_model_parallel()
     d.destroy_model_parallel()  # idempotent
     d.destroy_distributed_environment()
@@ -152,6 +161,8 @@ def check(layout: ParallelLayout, results: list[dict[str, Any]], use_shm: bool) 
                     peer = results[ranks[0]][name][f"sum{n}{dtype}"]
                     if shm:
                         assert torch.equal(got, peer)
+            assert torch.equal(res["inference"], torch.full((3,), float(len(ranks))))
+            assert torch.equal(res["grad"], torch.full((3,), float(len(ranks))))
             inputs = [gather_input(r, j) for j, r in enumerate(ranks)]
             assert torch.equal(res["gather1"], torch.cat(inputs, dim=1))
             assert torch.equal(res["gather_last"],
@@ -175,6 +186,11 @@ def check(layout: ParallelLayout, results: list[dict[str, Any]], use_shm: bool) 
             assert got["empty"].shape == (0, 4)
             prev = layout.group_of("pp", rank)[stage - 1]
             assert torch.equal(out["plain"], torch.arange(4.0) + prev)
+            assert out["object"] == {"stage": stage - 1}
+            assert out["routes"].get((prev, rank), "gloo") == ("shm" if use_shm else "gloo")
+        if layout.pp > 1 and stage < layout.pp - 1:
+            following = layout.group_of("pp", rank)[stage + 1]
+            assert out["routes"].get((rank, following), "gloo") == ("shm" if use_shm else "gloo")
         expected_name = "Worker" + "".join(
             f"_{dim.upper()}{coords[dim]}" for dim in DIMENSIONS if layout.size(dim) > 1)
         assert out["name"] == expected_name
@@ -192,3 +208,11 @@ def test_shared_memory_path(layout: ParallelLayout, leak_check: None) -> None:
 def test_gloo_path(layout: ParallelLayout, leak_check: None) -> None:
     results = run_ranks(layout.world_size, exercise, layout, False)
     check(layout, results, use_shm=False)
+
+
+@pytest.mark.slow
+def test_spawned_ranks(leak_check: None) -> None:
+    # The executor starts workers with spawn by default: nothing may rely on fork.
+    layout = ParallelLayout(tp=2)
+    check(layout, run_ranks(2, exercise, layout, True, start_method="spawn", timeout=120),
+          use_shm=True)

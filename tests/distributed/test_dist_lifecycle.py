@@ -42,6 +42,8 @@ def test_nccl_without_cuda_names_gloo(tmp_path: Path) -> None:
         d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "nccl")
     with pytest.raises(RuntimeError, match="'no-such-backend' is not available"):
         d.init_distributed_environment(1, 0, 0, f"file://{tmp_path}/store", "no-such-backend")
+    with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size \(2\)\)"):
+        d.init_distributed_environment(2, 2, 0, f"file://{tmp_path}/store", "gloo")
     assert not torch.distributed.is_initialized()
 
 
@@ -53,6 +55,8 @@ def test_single_rank_world_in_process(tmp_path: Path, leak_check: None) -> None:
             d.init_distributed_environment(1, 0, 0, init + "-other", "gloo")
         with pytest.raises(ValueError, match=r"world size 1 != .* = 2"):
             d.initialize_model_parallel(tensor_model_parallel_size=2)
+        with pytest.raises(ValueError, match="positive integer"):
+            d.initialize_model_parallel(tensor_model_parallel_size=0)
         assert not d.model_parallel_is_initialized()
         d.initialize_model_parallel()
         d.initialize_model_parallel()  # the same layout again: nothing to do
@@ -158,6 +162,154 @@ def test_peer_killed_mid_collective(delay: float, use_shm: bool, leak_check: Non
         assert out["waited"] < 10
 
 
+def die_between_stages(rank: int, world_size: int, init_method: str) -> Any:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp = d.get_pp_group()
+    if pp.is_first_rank:
+        pp.send_tensor_dict({"hidden": torch.ones(16, 576)})
+        time.sleep(0.3)  # the next stage is waiting for the second one by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    first = pp.recv_tensor_dict()
+    started = time.monotonic()
+    try:
+        pp.recv_tensor_dict()
+        error = None
+    except RuntimeError as exc:
+        error = type(exc).__name__
+    waited = time.monotonic() - started
+    routes = pp.point_to_point_routes()
+    d.destroy_distributed_environment()
+    return {"first": first["hidden"].sum().item(), "error": error, "waited": waited,
+            "routes": routes}
+
+
+def test_stage_killed_while_the_next_waits(leak_check: None) -> None:
+    out = run_ranks(2, die_between_stages, timeout=30, expect_dead=frozenset({0}))[1]
+    assert out["routes"] == {(0, 1): "shm"}
+    assert out["first"] == 16 * 576
+    assert out["error"] == "PeerDiedError"
+    assert out["waited"] < 10
+
+
+def refuse_shared_memory(rank: int, world_size: int, init_method: str,
+                         who: int, step: str) -> Any:
+    from mpexec.distributed import shm_collectives
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(12, "no memory for you")
+
+    if rank == who:  # this rank cannot create (rank 0) or map (the others) the segment
+        setattr(shm_collectives.Segment, step, refuse)
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    total = tp.all_reduce(torch.full((5,), rank + 1.0))
+    gathered = tp.all_gather(torch.full((1,), float(rank)), dim=0)
+    active = tp.shm_active
+    d.destroy_distributed_environment()
+    return total, gathered, active
+
+
+@pytest.mark.parametrize("who, step", [(0, "create"), (2, "attach")])
+def test_a_rank_that_cannot_map_the_segment_keeps_the_group_on_gloo(
+        who: int, step: str, leak_check: None) -> None:
+    for total, gathered, active in run_ranks(3, refuse_shared_memory, who, step):
+        assert not active
+        assert torch.equal(total, torch.full((5,), 6.0))
+        assert torch.equal(gathered, torch.arange(3.0))
+
+
+def stopped_peer(rank: int, world_size: int, init_method: str) -> Any:
+    import threading
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    pids = tp.all_gather_object(os.getpid())
+    tp.all_reduce(torch.ones(2))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 wakes us after a while
+    else:
+        def wake_once_stopped() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # SIGCONT before SIGSTOP would be lost
+                stat = Path(f"/proc/{pids[1]}/stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] == "T":
+                    break
+                time.sleep(0.01)
+            time.sleep(0.3)  # rank 0 is asleep in the collective by now
+            os.kill(pids[1], signal.SIGCONT)
+
+        threading.Thread(target=wake_once_stopped, daemon=True).start()
+    total = tp.all_reduce(torch.ones(2))
+    d.destroy_distributed_environment()
+    return total
+
+
+def test_a_stopped_peer_is_waited_for_not_declared_dead(leak_check: None) -> None:
+    for total in run_ranks(2, stopped_peer, timeout=30):
+        assert torch.equal(total, torch.full((2,), 2.0))
+
+
+def mismatched_shapes(rank: int, world_size: int, init_method: str) -> Any:
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    try:
+        tp.all_reduce(torch.ones(4 + rank))
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    after = tp.all_reduce(torch.ones(3))  # the group stays in step
+    d.destroy_distributed_environment()
+    return error, after
+
+
+def test_all_reduce_of_different_sizes_fails_on_every_rank(leak_check: None) -> None:
+    for error, after in run_ranks(2, mismatched_shapes):
+        assert error is not None and "different byte sizes [16, 20]" in error
+        assert torch.equal(after, torch.full((3,), 2.0))
+
+
+def two_threads(rank: int, world_size: int, init_method: str) -> Any:
+    import threading
+
+    d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    tp.all_reduce(torch.ones(2))
+    error = None
+    flag = Path(init_method.removeprefix("file://") + ".go")  # in run_ranks' temp dir
+    if rank == 0:
+        background: list[Any] = []
+        thread = threading.Thread(target=lambda: background.append(tp.all_reduce(torch.ones(2))))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not tp._shm._busy.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the thread waits in the collective for rank 1
+        try:
+            tp.all_reduce(torch.ones(2))
+        except RuntimeError as exc:
+            error = str(exc)
+        flag.touch()  # now rank 1 may join the thread's collective
+        thread.join(20)
+        total = background[0]
+    else:
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        total = tp.all_reduce(torch.ones(2))
+    d.destroy_distributed_environment()
+    return error, total
+
+
+def test_a_second_thread_in_a_collective_is_refused(leak_check: None) -> None:
+    (error, total), (_, peer_total) = run_ranks(2, two_threads, timeout=30)
+    assert error is not None and "another thread is inside a collective" in error
+    assert torch.equal(total, torch.full((2,), 2.0)) and torch.equal(peer_total, total)
+
+
 def idle_wait(rank: int, world_size: int, init_method: str, idle_s: float) -> float | None:
     d.init_distributed_environment(world_size, rank, rank, init_method, "gloo")
     d.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -212,9 +364,6 @@ def queue_over_group(rank: int, world_size: int, init_method: str) -> Any:
 
 
 def test_message_queue_over_a_group(leak_check: None) -> None:
-    from mpexec.ipc import MessageQueue
 
-    if not hasattr(MessageQueue, "create_from_process_group"):
-        pytest.skip("MessageQueue.create_from_process_group has not landed yet")
     for got in run_ranks(3, queue_over_group):
         assert got == [{"step": 0}, {"step": 1}, {"step": 2}]

@@ -70,7 +70,7 @@ def test_same_tokens_everywhere(tiny: Path, baseline: list[list[int]], backend: 
 
 def test_preemption_on_a_small_kv_cache_gives_the_same_tokens(
         tiny: Path, baseline: list[list[int]]) -> None:
-    with make_llm(tiny, "uni", kv_cache_memory_bytes=1) as probe:
+    with make_llm(tiny, "uni", block_size=4) as probe:
         block_bytes = probe.engine.executor.collective_rpc("kv_cache_block_bytes")[0]
     with make_llm(tiny, "mp", 1, 1, True, kv_cache_memory_bytes=6 * block_bytes,
                   block_size=4) as llm:

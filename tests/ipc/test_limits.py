@@ -102,3 +102,33 @@ def test_cgroup_limits_are_read_from_the_process_cgroup(
     found = {limit.source.split(" (")[0]: limit.headroom for limit in limits._cgroup_limits()}
     assert found == {f"cgroup v2 {root / 'a' / 'memory.max'}": 40 << 20,
                      f"cgroup v1 {v1 / 'memory.limit_in_bytes'}": 30 << 20}
+
+
+READER_CHILD = textwrap.dedent("""
+    import json, resource
+    import numpy as np
+    from mpexec.ipc import MessageQueue
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2, name="mapped")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.enqueue(np.ones(40 << 20, dtype=np.uint8))     # written before the limit is set
+    vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:")]
+    resource.setrlimit(resource.RLIMIT_AS, (vm[0] + (16 << 20), resource.RLIM_INFINITY))
+    out = {}
+    try:
+        reader.dequeue(timeout=5)
+        out["big"] = "mapped"
+    except OSError as err:
+        out["big"] = str(err)
+    writer.enqueue(np.arange(10_000))
+    out["after"] = int(reader.dequeue(timeout=5)[-1])
+    reader.shutdown(); writer.shutdown()
+    print(json.dumps(out))
+""")
+
+
+def test_a_reader_that_cannot_map_a_payload_loses_only_that_message() -> None:
+    done = run_python("-c", READER_CHILD, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "mapping a 40.0 MiB message from queue 'mapped'" in out["big"]
+    assert "RLIMIT_AS" in out["big"] and out["after"] == 9_999

@@ -148,3 +148,26 @@ def test_bytearray_arrives_as_its_own_copy() -> None:
     assert type(back) is bytearray and back == data
     back[0] = 0
     assert wire.count(b"q") == 100_000  # the frame was not written through
+
+
+def test_large_bytes_travel_as_blobs_and_arrive_as_bytes() -> None:
+    from mpexec.ipc.serialization import BLOB_MIN
+
+    big = bytes(range(256)) * (BLOB_MIN // 256 + 1)
+    message = {"a": big, "again": big, "small": b"s" * 1000, "n": 3}
+    frame = Encoder().encode(message)
+    assert frame.n_blobs == 1   # the same object twice is one blob
+    assert any(buf.obj is big for buf in frame.buffers)   # not copied on the way in
+    back = loads(bytearray(dumps(message)))
+    assert back == message and type(back["a"]) is bytes
+    assert back["a"] is back["again"]   # identity within the message is kept
+
+
+def test_bytes_from_copies_exactly_whatever_the_view() -> None:
+    from mpexec.ipc.hugebytes import bytes_from
+
+    data = bytearray(range(256)) * (24 << 12)   # 6 MiB: large enough for huge pages
+    for view in (memoryview(data), memoryview(data)[7:-5], memoryview(bytes(data)),
+                 memoryview(data)[:100]):
+        out = bytes_from(view)
+        assert type(out) is bytes and out == view.tobytes()

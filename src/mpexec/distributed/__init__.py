@@ -5,6 +5,12 @@ life cycle, ``layout`` for which ranks form each group, ``group`` for the
 collectives and ``shm_collectives`` for the shared-memory path.
 """
 
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the torch extra is missing
+    raise ImportError("mpexec.distributed needs torch: pip install 'mpexec[torch]' "
+                      "(or -e '.[torch]' in a checkout)") from exc
+
 from mpexec.distributed.group import GroupCoordinator
 from mpexec.distributed.layout import ParallelLayout
 from mpexec.distributed.liveness import PeerDiedInCollectiveError

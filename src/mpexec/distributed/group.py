@@ -12,8 +12,12 @@ Which path a call takes::
         every rank on one node ─▶ ShmCommunicator (shared memory)
         too large, several nodes, or shared memory refused ─▶ cpu_group (gloo)
     the same of a device tensor ─▶ device_group (NCCL)
-    broadcast, send / recv ─▶ cpu_group for CPU tensors, device_group otherwise
-    broadcast_object, send/recv of a tensor dict's metadata, barrier ─▶ cpu_group
+    send / recv / send_tensor_dict in a CPU world
+        both ranks on one node ─▶ ShmChannels (a MessageQueue per direction)
+        otherwise ─▶ cpu_group (gloo)
+    broadcast, and send / recv in a CUDA world ─▶ cpu_group for CPU tensors,
+        device_group otherwise
+    broadcast_object, a tensor dict's metadata over gloo, barrier ─▶ cpu_group
 
 The shared-memory communicator is built on the first CPU collective, by
 every rank of the group together (collectives run in the same order on
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpexec.distributed.p2p import ShmChannels
 from mpexec.distributed.shm_collectives import ShmCommunicator, node_identity
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,10 @@ class GroupCoordinator:
         self.shm_max_bytes = shm_max_bytes
         self._shm: ShmCommunicator | None = None
         self._shm_decided = not self.use_shm
+        # Point to point through shared memory only where every tensor is a
+        # CPU tensor (a gloo world): both ends must pick the route alike.
+        self._channels = (ShmChannels(rank, self._gloo_send_object, self._gloo_recv_object)
+                          if self.use_shm and device.type == "cpu" else None)
         if self.world_size > 1 and (device_group is None or cpu_group is None):
             raise ValueError(f"{name} group of {self.world_size} ranks needs process groups")
 
@@ -91,6 +100,10 @@ class GroupCoordinator:
     def shm_active(self) -> bool:
         """True once CPU collectives of this group go through shared memory."""
         return self._shm is not None
+
+    def point_to_point_routes(self) -> dict[tuple[int, int], str]:
+        """``{(src, dst): "shm" | "gloo"}`` (global ranks) for the pairs used so far."""
+        return {} if self._channels is None else self._channels.routes()
 
     def _group_for(self, tensor: torch.Tensor) -> Any:
         return self.cpu_group if tensor.device.type == "cpu" else self.device_group
@@ -219,7 +232,10 @@ class GroupCoordinator:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
         dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
         target = self._point_to_point_peer(dst, "dst")
-        if tensor.numel():
+        queue = self._channels.to(target) if self._channels is not None else None
+        if queue is not None:
+            queue.enqueue(tensor)
+        elif tensor.numel():
             dist.send(tensor.contiguous(), dst=target, group=self._group_for(tensor))
 
     def recv(self, shape: torch.Size | tuple[int, ...] | list[int], dtype: torch.dtype,
@@ -227,20 +243,43 @@ class GroupCoordinator:
         """A tensor of ``shape`` and ``dtype`` sent by group rank ``src`` (default: previous)."""
         src = (self.rank_in_group - 1) % self.world_size if src is None else src
         source = self._point_to_point_peer(src, "src")
+        queue = self._channels.from_(source) if self._channels is not None else None
+        if queue is not None:
+            got = queue.dequeue()
+            if (not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape)
+                    or got.dtype != dtype):
+                raise ValueError(f"{self.name} group: expected a {dtype} tensor of shape "
+                                 f"{tuple(shape)} from rank {src}, got {_describe(got)}")
+            return got
         tensor = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
         if tensor.numel():
             dist.recv(tensor, src=source, group=self._group_for(tensor))
         return tensor
 
     def send_object(self, obj: Any, dst: int) -> None:
+        """Send a picklable ``obj`` to group rank ``dst``."""
         target = self._point_to_point_peer(dst, "dst")
+        queue = self._channels.to(target) if self._channels is not None else None
+        if queue is not None:
+            queue.enqueue(obj)
+        else:
+            self._gloo_send_object(obj, target)
+
+    def recv_object(self, src: int) -> Any:
+        """The object group rank ``src`` sent with send_object."""
+        source = self._point_to_point_peer(src, "src")
+        queue = self._channels.from_(source) if self._channels is not None else None
+        if queue is not None:
+            return queue.dequeue()
+        return self._gloo_recv_object(source)
+
+    def _gloo_send_object(self, obj: Any, target: int) -> None:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=target,
                   group=self.cpu_group)
         dist.send(payload, dst=target, group=self.cpu_group)
 
-    def recv_object(self, src: int) -> Any:
-        source = self._point_to_point_peer(src, "src")
+    def _gloo_recv_object(self, source: int) -> Any:
         length = torch.empty(1, dtype=torch.int64)
         dist.recv(length, src=source, group=self.cpu_group)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -254,6 +293,11 @@ class GroupCoordinator:
         as one pickled message, then each tensor in key order.
         """
         dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
+        target = self._point_to_point_peer(dst, "dst")
+        queue = self._channels.to(target) if self._channels is not None else None
+        if queue is not None:
+            queue.enqueue(dict(tensors))  # tensors travel out of band: one copy each way
+            return
         metadata: list[tuple[str, Any]] = []
         payloads: list[torch.Tensor] = []
         for key, value in tensors.items():
@@ -270,6 +314,14 @@ class GroupCoordinator:
     def recv_tensor_dict(self, src: int | None = None) -> dict[str, Any]:
         """The dict that group rank ``src`` (default: previous) sent with send_tensor_dict."""
         src = (self.rank_in_group - 1) % self.world_size if src is None else src
+        source = self._point_to_point_peer(src, "src")
+        queue = self._channels.from_(source) if self._channels is not None else None
+        if queue is not None:
+            got = queue.dequeue()
+            if not isinstance(got, dict):
+                raise ValueError(f"{self.name} group: expected a tensor dict from rank {src}, "
+                                 f"got {_describe(got)}")
+            return got
         out: dict[str, Any] = {}
         for key, value in self.recv_object(src):
             if isinstance(value, _TensorMeta):
@@ -292,6 +344,9 @@ class GroupCoordinator:
             self._shm.close()
             self._shm = None
         self._shm_decided = True
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
 
 
 class _TensorMeta:
@@ -306,6 +361,12 @@ class _TensorMeta:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_TensorMeta, (self.dtype, self.shape, self.device))
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a {obj.dtype} tensor of shape {tuple(obj.shape)}"
+    return f"a {type(obj).__name__}"
 
 
 def _normalise_dim(dim: int, ndim: int) -> int:

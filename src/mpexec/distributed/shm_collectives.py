@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,8 @@ MIN_CAPACITY = 16 << 10
 # Spin a little before sleeping: the peer of a tensor-parallel step usually
 # arrives within microseconds, and a futex round trip costs tens of them.
 SPIN_S = 0.002
+# Looks at the peers' words before the spin-then-sleep machinery starts.
+FAST_SPINS = 32
 # Each sleep is at most this long; a dead peer is noticed within one tick.
 TICK_S = 0.1
 LOG_INTERVAL_S = 60.0
@@ -103,10 +106,21 @@ class ShmCommunicator:
         self._broadcast = broadcast
         self._seq = 0
         self._broken: BaseException | None = None
+        # Collectives must run one at a time, in the same order on every rank;
+        # a second thread entering would silently corrupt the sequence.
+        self._busy = threading.Lock()
         self._segment: Segment | None = None
         self._data: torch.Tensor | None = None
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.capacity = 0
+        # Word indexes into the control lines, computed once (the hot path is Python).
+        self._seq_cells = [self._cell(r, SEQ) for r in range(self.world_size)]
+        self._peer_sleeping_cells = [self._cell(r, SLEEPING) for r in range(self.world_size)
+                                     if r != rank]
+        self._nbytes_cells = [[self._cell(r, NBYTES + 8 * b) for r in range(self.world_size)]
+                              for b in (0, 1)]
+        self._extent_cells = [[self._cell(r, EXTENT + 8 * b) for r in range(self.world_size)]
+                              for b in (0, 1)]
         self._watch = PeerWatch({r: p for r, p in enumerate(pids) if r != rank}, self.what)
         try:
             self._map_new_segment(_round_capacity(min(capacity, max_bytes)))
@@ -121,15 +135,23 @@ class ShmCommunicator:
         size = self.world_size * LINE + 2 * self.world_size * capacity
         segment = None
         if self.rank == 0:
-            segment = Segment.create(segment_name("allreduce"), size, self.what)
-            ref = self._broadcast(segment.ref())
+            try:
+                segment = Segment.create(segment_name("allreduce"), size, self.what)
+            except BaseException:
+                self._broadcast(None)  # the others are waiting for a reference: free them
+                raise
+            self._broadcast(segment.ref())
         else:
             ref = self._broadcast(None)
+            if ref is None:
+                raise RuntimeError(f"{self.what}: group rank 0 could not create the "
+                                   f"{size / 2**20:.1f} MiB segment (see its log)")
             segment = Segment.attach(ref, self.what)
         self._drop_segment()
         self._segment = segment
         self.capacity = capacity
-        self._data = torch.frombuffer(segment.map, dtype=torch.uint8)
+        with torch.inference_mode(False):  # see _slot
+            self._data = torch.frombuffer(segment.map, dtype=torch.uint8)
 
     def _drop_segment(self) -> None:
         # Tensor views export the mapping's buffer: drop them before unmapping.
@@ -145,7 +167,10 @@ class ShmCommunicator:
         if view is None:
             assert self._data is not None
             start = self.world_size * LINE + (buffer * self.world_size + rank) * self.capacity
-            view = self._data[start:start + self.capacity].view(dtype)
+            # A view made under inference mode would be an inference tensor,
+            # which refuses in-place writes outside it: make a normal one.
+            with torch.inference_mode(False):
+                view = self._data[start:start + self.capacity].view(dtype)
             self._views[key] = view
         return view
 
@@ -165,13 +190,13 @@ class ShmCommunicator:
             self._slot(buffer, self.rank, tensor.dtype)[:tensor.numel()].copy_(
                 tensor.reshape(-1))
         cells = self._segment.cells
-        cells[self._cell(self.rank, NBYTES + 8 * buffer)] = nbytes
-        cells[self._cell(self.rank, EXTENT + 8 * buffer)] = extent
+        cells[self._nbytes_cells[buffer][self.rank]] = nbytes
+        cells[self._extent_cells[buffer][self.rank]] = extent
         sync.release_fence()
-        cells[self._cell(self.rank, SEQ)] = seq
+        cells[self._seq_cells[self.rank]] = seq
         sync.full_fence()
-        for peer in range(self.world_size):
-            if peer != self.rank and cells[self._cell(peer, SLEEPING)]:
+        for sleeping in self._peer_sleeping_cells:
+            if cells[sleeping]:
                 sync.futex_wake(self._segment.address + sync.low_word_offset(
                     self.rank * LINE + SEQ))
                 break
@@ -181,14 +206,14 @@ class ShmCommunicator:
         """Step 3: return once every rank has published the current collective."""
         assert self._segment is not None
         cells, seq, address = self._segment.cells, self._seq, self._segment.address
-        seq_cells = [self._cell(r, SEQ) for r in range(self.world_size)]
+        seq_cells = self._seq_cells
+        for _ in range(FAST_SPINS):  # most peers arrive within these looks
+            if all(cells[c] >= seq for c in seq_cells):
+                sync.acquire_fence()
+                return
 
         def everyone_arrived() -> bool:
             return all(cells[c] >= seq for c in seq_cells)
-
-        if everyone_arrived():
-            sync.acquire_fence()
-            return
 
         def first_behind() -> tuple[int, int]:
             for r, c in enumerate(seq_cells):
@@ -227,8 +252,7 @@ class ShmCommunicator:
                 self._wait_for_peers()
                 assert self._segment is not None
                 cells = self._segment.cells
-                sizes = [cells[self._cell(r, NBYTES + 8 * buffer)]
-                         for r in range(self.world_size)]
+                sizes = [cells[c] for c in self._nbytes_cells[buffer]]
                 largest = max(sizes)
                 if largest <= self.capacity:
                     return buffer, sizes
@@ -243,15 +267,38 @@ class ShmCommunicator:
 
     # -- collectives -----------------------------------------------------------
 
+    def _enter(self, what: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self.what}: {what} called while another thread is inside a collective "
+                "of this group; a group's collectives must run one at a time")
+
     def all_reduce(self, tensor: torch.Tensor) -> bool:
         """Sum ``tensor`` (contiguous, CPU) over the group in place; False: use gloo."""
+        self._enter("all_reduce")
+        try:
+            return self._all_reduce(tensor)
+        finally:
+            self._busy.release()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self.max_bytes:
             return False  # every rank holds the same shape: they all decide alike
         exchanged = self._exchange(tensor, 0)
         if exchanged is None:
             return False
-        buffer, _sizes = exchanged
+        buffer, sizes = exchanged
+        if len(set(sizes)) != 1:
+            raise ValueError(f"all_reduce: the ranks passed tensors of different byte sizes "
+                             f"{sizes}: every rank must pass the same shape and dtype")
+        if tensor.requires_grad:  # a collective is not differentiable: write through
+            with torch.no_grad():
+                return self._reduce_into(tensor, buffer)
+        return self._reduce_into(tensor, buffer)
+
+    def _reduce_into(self, tensor: torch.Tensor, buffer: int) -> bool:
+        nbytes = tensor.numel() * tensor.element_size()
         if nbytes >= TWO_PHASE_BYTES and self.world_size > 2:
             self._reduce_chunks(tensor, buffer)
             return True
@@ -292,6 +339,13 @@ class ShmCommunicator:
         Sizes along ``dim`` may differ between ranks; the other dimensions
         must agree.
         """
+        self._enter("all_gather")
+        try:
+            return self._all_gather(tensor, dim)
+        finally:
+            self._busy.release()
+
+    def _all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
         contiguous = tensor.contiguous()
         exchanged = self._exchange(contiguous, contiguous.shape[dim])
         if exchanged is None:
@@ -302,7 +356,7 @@ class ShmCommunicator:
         parts = []
         for r in range(self.world_size):
             shape = list(contiguous.shape)
-            shape[dim] = cells[self._cell(r, EXTENT + 8 * buffer)]
+            shape[dim] = cells[self._extent_cells[buffer][r]]
             numel = math.prod(shape)
             if numel * contiguous.element_size() != sizes[r]:
                 raise ValueError(

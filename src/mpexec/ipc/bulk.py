@@ -3,13 +3,15 @@
 A message too large for a ring chunk is written into a *bulk segment* (a
 memfd of its own) and the chunk carries only its descriptor.
 
-Writer side (:class:`BulkWriter`): ``os.pwritev`` copies the frame's pieces
-into the segment in one system call, with no page faults in the writer.
-Fresh shared pages are expensive to allocate, so segments are reused: the
-writer keeps up to ``BULK_SLOTS`` of them, each with a generation number that
-grows on every use.  A slot may be reused once every reader has *released*
+Writer side (:class:`BulkWriter`): fresh shared pages are expensive to
+allocate, so segments are reused: the writer keeps up to ``BULK_SLOTS`` of
+them, each mapped once and populated when it grows, so that writing a
+message into one is a single ``memcpy`` of its pieces (``pwrite`` would cost
+a page-cache lookup per page, about twice that).  Each slot has a
+generation number that grows on every use.  A slot may be reused once every reader has *released*
 the generation it last carried (see below).  When every slot is still held,
-the message goes to a one-off segment that the writer closes as soon as all
+the message goes to a one-off segment (written with ``os.pwritev``, one
+system call, never mapped by the writer) that the writer closes as soon as all
 readers have consumed the message; the kernel frees it once the readers let
 go too.  Released slots beyond ``CACHE_CAP_BYTES`` in all are closed, so a
 burst of huge messages does not pin their memory for the queue's lifetime.
@@ -37,9 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from mpexec.ipc import layout, sync
-from mpexec.ipc.limits import check_reservation
-from mpexec.ipc.serialization import Frame, iter_pieces
+from mpexec.ipc.limits import check_reservation, reservation_failed
+from mpexec.ipc.serialization import Frame, iter_pieces, write_into
 from mpexec.ipc.shm import (
+    GrowableMapping,
     Segment,
     create_memfd,
     map_private,
@@ -94,14 +97,20 @@ def _finish_short_write(fd: int, batch: list[Any], offset: int, done: int) -> No
 
 
 class _Slot:
-    __slots__ = ("fd", "inode", "capacity", "generation", "filled")
+    """A reusable bulk segment, kept mapped by the writer (see GrowableMapping)."""
 
-    def __init__(self, fd: int, capacity: int) -> None:
+    __slots__ = ("fd", "inode", "capacity", "generation", "memory")
+
+    def __init__(self, fd: int, capacity: int, what: str) -> None:
         self.fd = fd
         self.inode = os.fstat(fd).st_ino
         self.capacity = capacity
         self.generation = 0
-        self.filled = 0        # bytes the file holds: rewriting them takes no new memory
+        self.memory = GrowableMapping(fd, capacity, what)
+
+    def close(self) -> None:
+        self.memory.close()
+        os.close(self.fd)
 
 
 class BulkWriter:
@@ -115,7 +124,7 @@ class BulkWriter:
 
     def put(self, frame: Frame, seq: int, what: str) -> tuple[int, int, int, int]:
         """Write ``frame``; return (fd, inode, slot or NO_SLOT, generation)."""
-        index = self._free_slot(frame.nbytes)
+        index = self._free_slot(frame.nbytes, what)
         if index is None:
             check_reservation(frame.nbytes, what, mapped=False)
             fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
@@ -129,10 +138,9 @@ class BulkWriter:
             return fd, inode, layout.NO_SLOT, 0
         slot = self._slots[index]
         assert slot is not None
-        if frame.nbytes > slot.filled:
-            check_reservation(frame.nbytes - slot.filled, what, mapped=False)
-        write_frame(slot.fd, frame, what)
-        slot.filled = max(slot.filled, frame.nbytes)
+        slot.memory.grow(frame.nbytes, what)
+        assert slot.memory.view is not None
+        write_into(frame, slot.memory.view[:frame.nbytes])
         slot.generation += 1
         self._trim(keep=index)
         return slot.fd, slot.inode, index, slot.generation
@@ -149,11 +157,11 @@ class BulkWriter:
             capacity, index = free.pop()
             slot = self._slots[index]
             assert slot is not None
-            os.close(slot.fd)
+            slot.close()
             self._slots[index] = None
             cached -= capacity
 
-    def _free_slot(self, size: int) -> int | None:
+    def _free_slot(self, size: int, what: str) -> int | None:
         best: int | None = None
         empty: int | None = None
         small_free: int | None = None
@@ -175,10 +183,15 @@ class BulkWriter:
             return None
         old = self._slots[target]
         if old is not None:
-            os.close(old.fd)
+            old.close()
+            self._slots[target] = None
         capacity = _capacity_for(size)
-        fd = create_memfd(segment_name(self._name + "-bulk"), 0, "a bulk message")
-        self._slots[target] = _Slot(fd, capacity)
+        fd = create_memfd(segment_name(self._name + "-bulk"), 0, what)
+        try:
+            self._slots[target] = _Slot(fd, capacity, what)
+        except BaseException:
+            os.close(fd)
+            raise
         return target
 
     def _capacity(self, index: int) -> int:
@@ -193,7 +206,7 @@ class BulkWriter:
     def close(self) -> None:
         for slot in self._slots:
             if slot is not None:
-                os.close(slot.fd)
+                slot.close()
         self._slots = [None] * layout.BULK_SLOTS
         while self._one_offs:
             os.close(self._one_offs.popleft()[1])
@@ -205,6 +218,11 @@ def map_bulk(pid: int, fd: int, inode: int, size: int, what: str,
     own = open_peer_fd(pid, fd, inode, os.O_RDONLY, what)
     try:
         return map_private(own, size, on_release)
+    except OSError as err:  # e.g. RLIMIT_AS of this reader: the message is lost, not the queue
+        if on_release is not None:
+            on_release()   # nothing of it is held here: the writer may reuse the slot
+        raise reservation_failed(err, size, f"mapping a {size / 2**20:.1f} MiB message "
+                                 f"from {what}") from None
     finally:
         os.close(own)
 

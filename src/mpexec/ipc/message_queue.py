@@ -40,7 +40,11 @@ Message bodies (chunk kinds in ``layout``): a small message without
 out-of-band buffers is a bare pickle in the chunk, unpickled in place before
 the reader releases the chunk; a frame with buffers that fits is copied in,
 and copied out into private memory before the release; a larger frame
-travels through a bulk segment (see ``bulk``): one copy in, none out.
+travels through a bulk segment (see ``bulk``): one copy in, none out for
+arrays and tensors (``bytes`` and ``bytearray`` own their memory, so each
+reader copies them once; see ``serialization``).  Memory for the ring and
+for bulk segments is checked against the process's limits before it is
+reserved (see ``limits``).
 
 Two ends, two types.  ``MessageQueue(n_reader, n_local_reader, ...)``
 creates the writer end, a :class:`~mpexec.ipc.writer.MessageQueueWriter`

@@ -2,16 +2,25 @@
 
 ``encode(obj)`` pickles once and returns a :class:`Frame`: the pickle stream as
 a list of pieces plus the raw memory of every large buffer in the object
-(numpy arrays, ``bytearray``, ``memoryview``, ``PickleBuffer``, and torch CPU
-tensors when torch is loaded).  Nothing is joined or copied here: the queue
-copies each piece exactly once, into shared memory.  A large ``bytes`` object
-cannot leave the pickle stream (the pickler writes it itself), but the pickler
-hands it to us as the original object, so it too is copied only once.
+(numpy arrays, ``memoryview``, ``PickleBuffer``, and torch CPU tensors when
+torch is loaded).  Nothing is joined or copied here: the queue copies each
+piece exactly once, into shared memory.  A large ``bytes`` or ``bytearray``
+cannot leave the pickle stream through pickle's own out-of-band channel, but
+the pickler hands it to our sink as the original object, so it too is copied
+only once on the way in.
+
+On the way out, buffers are views of the frame (zero copies), while a
+``bytes`` or ``bytearray`` must own its memory and is copied once.  For a
+``bytes`` of at least ``BLOB_MIN`` that copy would mostly be page faults on
+the freshly allocated object, so such objects travel as *blobs*: the message
+is pickled a second time with a ``persistent_id`` that takes them out of the
+stream (only messages that hold one pay for it), and the reader builds each
+with :func:`~mpexec.ipc.hugebytes.bytes_from`, in huge pages.
 
 Layout of an encoded frame, as written into a chunk or a bulk segment::
 
-    u64 pickle_len | u64 n_buffers | n_buffers x u64 length | pickle bytes
-    | buffer 0 (64-byte aligned) | buffer 1 (aligned) | ...
+    u64 pickle_len | u64 n_buffers | u64 n_blobs | (n_buffers + n_blobs) x u64 length
+    | pickle bytes | buffer 0 (64-byte aligned) | ... | blob 0 (aligned) | ...
 
 ``decode(view)`` reads that layout back from any buffer and unpickles with the
 buffers as slices of it, so the reader's objects *are* the frame's memory:
@@ -21,15 +30,20 @@ the caller decides whether that memory is a private copy.
 from __future__ import annotations
 
 import copyreg
+import io
 import pickle
 import struct
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from mpexec.ipc.hugebytes import bytes_from
+
 ALIGN = 64
 _U64 = struct.Struct("<Q")
-_HEAD = struct.Struct("<QQ")
+_HEAD = struct.Struct("<QQQ")
+# A bytes object at least this large travels as a blob (see module doc).
+BLOB_MIN = 4 << 20
 
 
 def _align(value: int) -> int:
@@ -39,10 +53,13 @@ def _align(value: int) -> int:
 class Frame:
     """One encoded object: pickle pieces and out-of-band buffers, uncopied."""
 
-    __slots__ = ("header", "pieces", "pickle_len", "buffers", "buffer_offsets", "nbytes")
+    __slots__ = ("header", "pieces", "pickle_len", "buffers", "buffer_offsets", "nbytes",
+                 "n_blobs")
 
     def __init__(self, header: bytes, pieces: list[Any], pickle_len: int,
-                 buffers: list[memoryview], buffer_offsets: list[int], nbytes: int) -> None:
+                 buffers: list[memoryview], buffer_offsets: list[int], nbytes: int,
+                 n_blobs: int = 0) -> None:
+        self.n_blobs = n_blobs     # the last n_blobs of ``buffers`` are large bytes
         self.header = header
         self.pieces = pieces
         self.pickle_len = pickle_len
@@ -205,12 +222,45 @@ class Encoder:
         self._buffers.clear()
         out_pieces = pieces[:]
         pieces.clear()
+        if any(p.__class__ is bytes and len(p) >= BLOB_MIN for p in out_pieces[1:]):
+            return self._dump_with_blobs(obj)
         return _frame(out_pieces, buffers)
 
+    def _dump_with_blobs(self, obj: Any) -> Frame:
+        """Pickle again, large ``bytes`` taken out as blobs (rare: a few MiB of
+        bytes in the message; the first pickle kept them as they were)."""
+        pieces: list[Any] = []
+        buffers: list[pickle.PickleBuffer] = []
+        blobs: list[bytes] = []
+        pickler = _BlobPickler(_Sink(pieces), blobs, buffers.append)
+        pickler.dispatch_table = _dispatch_table()
+        pickler.dump(obj)
+        views = [buf.raw() for buf in buffers] + [memoryview(blob) for blob in blobs]
+        return _frame(pieces, views, n_blobs=len(blobs))
 
-def _frame(pieces: list[Any], buffers: list[memoryview]) -> Frame:
+
+class _BlobPickler(pickle.Pickler):
+    """Takes every ``bytes`` of at least BLOB_MIN out of the stream, by identity."""
+
+    def __init__(self, sink: _Sink, blobs: list[bytes],
+                 buffer_callback: Callable[[pickle.PickleBuffer], None]) -> None:
+        super().__init__(sink, protocol=5, buffer_callback=buffer_callback)
+        self._blobs = blobs
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if obj.__class__ is not bytes or len(obj) < BLOB_MIN:
+            return None
+        index = self._index.get(id(obj))
+        if index is None:
+            index = self._index[id(obj)] = len(self._blobs)
+            self._blobs.append(obj)
+        return index
+
+
+def _frame(pieces: list[Any], buffers: list[memoryview], n_blobs: int = 0) -> Frame:
     pickle_len = sum(_nbytes(piece) for piece in pieces)
-    header = _HEAD.pack(pickle_len, len(buffers)) + b"".join(
+    header = _HEAD.pack(pickle_len, len(buffers) - n_blobs, n_blobs) + b"".join(
         _U64.pack(buf.nbytes) for buf in buffers)
     offsets = []
     end = len(header) + pickle_len
@@ -218,7 +268,7 @@ def _frame(pieces: list[Any], buffers: list[memoryview]) -> Frame:
         start = _align(end)
         offsets.append(start)
         end = start + buf.nbytes
-    return Frame(header, pieces, pickle_len, buffers, offsets, end)
+    return Frame(header, pieces, pickle_len, buffers, offsets, end, n_blobs)
 
 
 def frame_of(data: bytes) -> Frame:
@@ -256,11 +306,12 @@ def iter_pieces(frame: Frame) -> list[Any]:
 
 
 def decode(view: memoryview) -> Any:
-    """Unpickle a frame from ``view``; out-of-band buffers become slices of it."""
-    pickle_len, n_buffers = _HEAD.unpack_from(view, 0)
+    """Unpickle a frame from ``view``; out-of-band buffers become slices of it,
+    blobs become ``bytes`` copied out of it."""
+    pickle_len, n_buffers, n_blobs = _HEAD.unpack_from(view, 0)
     pos = _HEAD.size
-    lengths = [_U64.unpack_from(view, pos + 8 * i)[0] for i in range(n_buffers)]
-    pos += 8 * n_buffers
+    lengths = [_U64.unpack_from(view, pos + 8 * i)[0] for i in range(n_buffers + n_blobs)]
+    pos += 8 * len(lengths)
     data = view[pos:pos + pickle_len]
     end = pos + pickle_len
     buffers = []
@@ -268,7 +319,20 @@ def decode(view: memoryview) -> Any:
         start = _align(end)
         buffers.append(view[start:start + length])
         end = start + length
-    return pickle.loads(data, buffers=buffers)
+    if not n_blobs:
+        return pickle.loads(data, buffers=buffers)
+    blobs = buffers[n_buffers:]
+    made: dict[int, bytes] = {}
+
+    def load_blob(index: int) -> bytes:
+        blob = made.get(index)
+        if blob is None:
+            blob = made[index] = bytes_from(blobs[index])
+        return blob
+
+    unpickler = pickle.Unpickler(io.BytesIO(data), buffers=buffers[:n_buffers])
+    unpickler.persistent_load = load_blob  # type: ignore[method-assign]
+    return unpickler.load()
 
 
 def dumps(obj: Any) -> bytes:

@@ -202,3 +202,58 @@ def _unmap(address: int, size: int, on_unmap: Callable[[], None] | None) -> None
     _munmap(address, size)
     if on_unmap is not None:
         on_unmap()
+
+
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_WRITE = 23   # Linux >= 5.14; older kernels say EINVAL and fault lazily
+PAGE = mmap.PAGESIZE
+
+
+class GrowableMapping:
+    """A writer's shared mapping of its own memfd, reserved at ``capacity``
+    bytes of address space and backed only up to ``filled``.
+
+    Writing a message with ``memcpy`` into pages that are already mapped
+    costs one copy; ``pwrite`` into the same file costs about two (a page
+    cache lookup per 4 KiB page).  So a bulk slot is mapped once, grown with
+    ``posix_fallocate`` (after the limits check) and its new pages populated
+    in one call; every later message in it is a plain copy.  Pages past
+    ``filled`` are never touched: that would be a SIGBUS.
+    """
+
+    def __init__(self, fd: int, capacity: int, what: str) -> None:
+        self.fd = fd
+        self.capacity = capacity
+        self.filled = 0
+        address = _mmap(None, capacity, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                        fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()   # ENOMEM here is address space (RLIMIT_AS), not pages
+            raise reservation_error(OSError(err, os.strerror(err)), capacity,
+                                    f"the address space of {what}")
+        self.address: int = address
+        self.view: memoryview | None = memoryview(
+            (ctypes.c_ubyte * capacity).from_address(address)).cast("B")
+
+    def grow(self, size: int, what: str) -> None:
+        """Back the first ``size`` bytes with memory (no-op when they are)."""
+        if size <= self.filled:
+            return
+        if size > self.capacity:
+            raise ValueError(f"{size} bytes exceed the mapping's capacity {self.capacity}")
+        check_reservation(size - self.filled, what)
+        try:
+            os.posix_fallocate(self.fd, self.filled, size - self.filled)
+        except OSError as err:
+            raise reservation_error(err, size - self.filled, what) from None
+        start = self.filled // PAGE * PAGE
+        _madvise(self.address + start, size - start, MADV_POPULATE_WRITE)
+        self.filled = size
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+            _munmap(self.address, self.capacity)

@@ -1,0 +1,51 @@
+"""What the machine is, and what a process has used: for the header of every run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` from /proc (clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_info() -> dict[str, Any]:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "cpu": model,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        from mpexec.ipc import sync
+
+        info["mpexec_fence"] = sync.FENCE_KIND
+    except Exception as err:  # reported, not fatal here
+        info["mpexec_fence"] = f"unavailable ({err!r})"
+    try:
+        import numpy
+        import zmq
+
+        info["numpy"] = numpy.__version__
+        info["pyzmq"] = f"{zmq.__version__} (libzmq {zmq.zmq_version()})"
+    except Exception as err:
+        info["deps"] = repr(err)
+    return info

@@ -1,0 +1,1 @@
+"""The queue benchmark's parts: messages, transports and one module per figure."""
