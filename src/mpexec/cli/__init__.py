@@ -1,4 +1,4 @@
-"""The ``mpexec`` command: ``demo``, ``generate``, ``bench``, ``doctor``.
+"""The ``mpexec`` command: ``demo``, ``generate``, ``bench``, ``doctor``, ``node``.
 
 Subcommands import what they need when they run, so ``mpexec --help`` stays
 instant and never imports torch or starts a process.
@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(handler=_run_doctor)
+
+    from mpexec.cli.node import add_arguments as add_node_arguments
+
+    node = commands.add_parser(
+        "node",
+        help="serve as a follower node of an executor led from another host",
+        description="Join the leader at --master-addr:--master-port, take the executor's "
+        "configuration from it, run this node's workers until the leader ends them.",
+    )
+    add_node_arguments(node)
+    node.set_defaults(handler=_run_node)
     return parser
 
 
@@ -161,6 +172,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from mpexec.cli import generate
 
     return generate.run(args, out=sys.stdout)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from mpexec.cli import node
+
+    return node.run(args)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,47 @@
+"""``mpexec node``: serve as a follower node of an executor led from another host.
+
+Everything about the executor (worker class and arguments, parallel layout,
+settings) comes from the leader over the authenticated node channel; the
+flags say only how to reach it.  The cluster secret comes from
+``--secret-file`` or ``MPEXEC_CLUSTER_SECRET`` (never a flag: command lines
+are visible to every user of the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nnodes", type=int, required=True, help="nodes in the executor")
+    parser.add_argument("--node-rank", type=int, required=True,
+                        help="this node's rank (1 .. nnodes-1; node 0 is the leader)")
+    parser.add_argument("--master-addr", required=True, help="the leader's address")
+    parser.add_argument("--master-port", type=int, required=True,
+                        help="the leader's node channel port (its parallel.master_port)")
+    parser.add_argument("--bind-addr", default=None,
+                        help="where this node's reply queues listen (default: the leader's "
+                        "node_bind_addr, loopback unless configured)")
+    parser.add_argument("--secret-file", type=Path, default=None,
+                        help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
+    parser.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to wait for the leader (300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpexec.cli import UsageError
+    from mpexec.executor.node import run_follower
+
+    secret = None
+    if args.secret_file is not None:
+        try:
+            secret = args.secret_file.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read --secret-file: {exc}") from exc
+    try:
+        return run_follower(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                            secret=secret, bind_addr=args.bind_addr,
+                            join_timeout_s=args.join_timeout)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
