@@ -251,7 +251,7 @@ def _forgeries(path: str, recorded: list[list[bytes]], n: int, token: int) -> li
     payload = pickle.dumps(_MakesAFile(path))
     wrong = FrameAuth(derive_key("an-attacker-guessed-this-secret!", f"mq/sec/{token:x}",
                                  "w2r"), 1 << 40)
-    valid_data = [f for f in recorded if len(f) >= 3 and f[0][4] == DATA]
+    valid_data = [f for f in recorded if f[0][4] == DATA]
     assert valid_data
     out: list[list[bytes]] = []
     for i in range(n):
@@ -259,16 +259,16 @@ def _forgeries(path: str, recorded: list[list[bytes]], n: int, token: int) -> li
         if kind == 0:  # well formed, signed with the wrong key
             out.append(wrong.seal(DATA, 0, i, [payload], aux=1))
         elif kind == 1:  # a random MAC
-            header, _, *parts = wrong.seal(DATA, 0, 0, [payload], aux=1)
-            out.append([header, os.urandom(32), *parts])
+            (first,) = wrong.seal(DATA, 0, 0, [payload], aux=1)
+            out.append([first[:36] + os.urandom(32) + first[68:]])
         elif kind == 2:  # truncated: a real frame cut short
             real = valid_data[i % len(valid_data)]
-            out.append([real[0], real[1], real[2][: len(real[2]) // 2]])
+            out.append([real[0][: len(real[0]) - 1 - i % 7]])
         elif kind == 3:  # replayed: a real frame, verbatim
             out.append(list(valid_data[i % len(valid_data)]))
         elif kind == 4:  # oversized: claims more than any message may be
-            header, mac, *parts = wrong.seal(DATA, 0, 1, [payload], aux=1)
-            out.append([header[:28] + (1 << 62).to_bytes(8, "little"), mac, *parts])
+            (first,) = wrong.seal(DATA, 0, 1, [payload], aux=1)
+            out.append([first[:28] + (1 << 62).to_bytes(8, "little") + first[36:]])
         else:  # garbage of every length, a bare pickle
             out.append([payload] if i % 12 == 5 else [os.urandom(i % 64), payload])
     return out

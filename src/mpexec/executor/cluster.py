@@ -40,12 +40,12 @@ from mpexec.ipc.auth import (
     BYE,
     CONFIG,
     FAILED,
-    HEADER,
     JOIN,
     PING,
     READY,
     DropCounter,
     generate_secret,
+    kind_of,
     refusal,
 )
 
@@ -249,7 +249,7 @@ class NodeServer:
               assignment_for: Callable[[int], NodeAssignment] | None) -> None:
         opened = self._join_in.open(frames, self.drops)
         if opened is None:
-            if len(frames) >= 2 and len(frames[0]) == HEADER.size and frames[0][4] == JOIN:
+            if kind_of(frames) == JOIN:
                 logger.error("a follower's JOIN failed authentication: its cluster secret "
                              "differs from the leader's; refused")
                 self._send(identity, refusal("the cluster secret differs from the leader's"))

@@ -4,10 +4,10 @@ Everything a remote queue end (``remote``) or a node's control channel
 (``mpexec.executor.node``) sends across the network is one ZeroMQ message of
 frames::
 
-    header | mac | part 0 | part 1 | ...
+    frame 0: header | mac [| part 0 when it is small]   frame 1..: the other parts
 
-    header  = magic "MPX1", kind (u8), rank (u32), aux (u32), seq (u64),
-              n_parts (u32), body_len (u64)            (fixed 36 bytes)
+    header  = magic "MPX1", kind (u8), flags (u8), rank (u32), aux (u32),
+              seq (u64), n_parts (u32), body_len (u64)      (fixed 36 bytes)
     mac     = HMAC-SHA256(key, header || SHA-256(u64 len || part, for each part))
     key     = HMAC-SHA256(secret, "mpexec/1/" || channel || "/" || direction)
 
@@ -47,10 +47,15 @@ from mpexec.errors import MpexecError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MPX1"
-HEADER = struct.Struct("<4sBxxxIIQIQ")
+HEADER = struct.Struct("<4sBBxxIIQIQ")
 assert HEADER.size == 36
 MAC_BYTES = 32
+PREFIX = HEADER.size + MAC_BYTES
 MIN_SECRET_BYTES = 16
+# A first part up to this size travels inside the first frame (one ZeroMQ
+# frame for a small message); larger parts are frames of their own, uncopied.
+INLINE_BYTES = 64 * 1024
+_INLINE = 1
 _LEN = struct.Struct("<Q")
 
 # Frame kinds (queues and the node control channel share the numbering).
@@ -107,62 +112,81 @@ class FrameAuth:
         self._key = key
         self.max_bytes = max_bytes
 
-    def _mac(self, header: bytes, parts: list[Any]) -> bytes:
+    def _mac(self, header: bytes, digest: bytes) -> bytes:
+        return hmac.digest(self._key, header + digest, "sha256")
+
+    @staticmethod
+    def _digest(parts: list[Any]) -> tuple[bytes, int]:
         body = hashlib.sha256()
+        total = 0
         for part in parts:
-            body.update(_LEN.pack(_nbytes(part)))
+            size = _nbytes(part)
+            total += size
+            body.update(_LEN.pack(size))
             body.update(part)
-        return hmac.new(self._key, header + body.digest(), hashlib.sha256).digest()
+        return body.digest(), total
 
     def seal(self, kind: int, rank: int, seq: int, parts: list[Any], aux: int = 0,
              ) -> list[Any]:
-        """``[header, mac, *parts]`` ready to send."""
-        body_len = sum(_nbytes(p) for p in parts)
-        header = HEADER.pack(MAGIC, kind, rank, aux, seq, len(parts), body_len)
-        return [header, self._mac(header, parts), *parts]
+        """The frames to send: the sealed first frame, then the large parts."""
+        firsts, rest = self.seal_many(kind, [rank], seq, parts, aux)
+        return [firsts[0], *rest]
 
     def seal_many(self, kind: int, ranks: list[int], seq: int, parts: list[Any],
-                  aux: int = 0) -> list[tuple[bytes, bytes]]:
-        """One (header, mac) per rank for the same parts; the body is hashed once."""
-        body = hashlib.sha256()
-        body_len = 0
-        for part in parts:
-            size = _nbytes(part)
-            body_len += size
-            body.update(_LEN.pack(size))
-            body.update(part)
-        digest = body.digest()
-        out = []
+                  aux: int = 0) -> tuple[list[bytes], list[Any]]:
+        """One first frame per rank for the same parts (hashed once), and the
+        parts that follow it as frames of their own."""
+        digest, body_len = self._digest(parts)
+        inline = bool(parts) and _nbytes(parts[0]) <= INLINE_BYTES
+        flags = _INLINE if inline else 0
+        tail = bytes(parts[0]) if inline else b""
+        firsts = []
         for rank in ranks:
-            header = HEADER.pack(MAGIC, kind, rank, aux, seq, len(parts), body_len)
-            out.append((header, hmac.new(self._key, header + digest, hashlib.sha256).digest()))
-        return out
+            header = HEADER.pack(MAGIC, kind, flags, rank, aux, seq, len(parts), body_len)
+            firsts.append(header + self._mac(header, digest) + tail)
+        return firsts, list(parts[1:] if inline else parts)
 
     def open(self, frames: list[Any], drops: DropCounter) -> Opened | None:
         """The frame if it is well formed and authentic; else ``None`` (counted)."""
-        if len(frames) < 2:
+        if not frames:
             drops.drop("truncated")
             return None
-        header = bytes(frames[0])
-        if len(header) != HEADER.size:
+        first = memoryview(frames[0]).cast("B")
+        if len(first) < PREFIX:
+            drops.drop("truncated")
+            return None
+        header = bytes(first[:HEADER.size])
+        magic, kind, flags, rank, aux, seq, n_parts, body_len = HEADER.unpack(header)
+        if magic != MAGIC or flags & ~_INLINE:
             drops.drop("bad header")
             return None
-        magic, kind, rank, aux, seq, n_parts, body_len = HEADER.unpack(header)
-        parts = frames[2:]
-        if magic != MAGIC or n_parts != len(parts):
+        parts = [memoryview(f).cast("B") for f in frames[1:]]
+        if flags & _INLINE:
+            parts.insert(0, first[PREFIX:])
+        elif len(first) != PREFIX:
+            drops.drop("bad header")
+            return None
+        if n_parts != len(parts):
             drops.drop("bad header")
             return None
         if body_len > self.max_bytes:
             drops.drop("oversized")
             return None
-        if sum(_nbytes(p) for p in parts) != body_len:
+        if sum(p.nbytes for p in parts) != body_len:
             drops.drop("truncated")
             return None
-        mac = bytes(frames[1])
-        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self._mac(header, parts)):
+        mac = bytes(first[HEADER.size:PREFIX])
+        if not hmac.compare_digest(mac, self._mac(header, self._digest(parts)[0])):
             drops.drop("bad mac")
             return None
         return Opened(kind, rank, aux, seq, parts)
+
+
+def kind_of(frames: list[Any]) -> int | None:
+    """The kind a frame claims (unauthenticated: only to choose a refusal)."""
+    if not frames or len(frames[0]) < PREFIX or bytes(frames[0][:4]) != MAGIC:
+        return None
+    return int(frames[0][4])
 
 
 class DropCounter:

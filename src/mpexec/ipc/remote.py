@@ -17,8 +17,8 @@ travels in the :class:`~mpexec.ipc.message_queue.Handle`
                                                (wrong secret: REFUSED, plain text)
     wait_until_ready  <--------- WELCOME(r, nonce)   once every reader said HELLO
     dequeue  <------------------ DATA(r, seq k, pickle pieces, buffers)
-    after decoding: ACK(r, k+1) -------------> credit: the writer sends message k
-                                               only when every reader acked k-window
+    every window/2 messages: ACK(r, k+1) ----> credit: the writer sends message k
+                                               only when every reader acked > k-window
     shutdown: CLOSE ------------------------> reader r consumes no more
              <-------------------------------- CLOSE: the writer shut the queue
 
@@ -54,7 +54,6 @@ from mpexec.ipc.auth import (
     ACK,
     CLOSE,
     DATA,
-    HEADER,
     HELLO,
     WELCOME,
     AuthenticationError,
@@ -63,6 +62,7 @@ from mpexec.ipc.auth import (
     Opened,
     derive_key,
     is_refusal,
+    kind_of,
     refusal,
 )
 from mpexec.ipc.message_queue import (
@@ -202,21 +202,28 @@ class RemoteWriter(MessageQueue):
 
     def _pump(self, wait_s: float) -> None:
         """Handle every control frame that arrives within ``wait_s`` (0: what is there)."""
+        # Reading first and polling only when there was nothing: a poll
+        # costs more than a failed non-blocking read.
+        if self._drain() or wait_s <= 0:
+            return
+        if self._sock.poll(max(0, int(wait_s * 1000)), _zmq().POLLIN):
+            self._drain()
+
+    def _drain(self) -> bool:
         zmq = _zmq()
         sock = self._sock
-        if not sock.poll(max(0, int(wait_s * 1000)), zmq.POLLIN):
-            return
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        got = False
+        # ZMQ_EVENTS costs less than a failed non-blocking read (an exception).
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            got = True
             self._handle(frames[0], frames[1:])
+        return got
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         opened = self._in.open(frames, self.drops)
         if opened is None:
-            if len(frames) >= 2 and len(frames[0]) == HEADER.size and frames[0][4] == HELLO:
+            if kind_of(frames) == HELLO:
                 self._refuse(identity)
             return
         rank = opened.rank
@@ -342,10 +349,11 @@ class RemoteWriter(MessageQueue):
             parts = [*data.pieces, *data.buffers]
             n_pickle = len(data.pieces)
         large = any(len(memoryview(p).cast("B")) >= ZERO_COPY_BYTES for p in parts)
-        sealed = self._out.seal_many(DATA, self.remote_reader_ranks, seq, parts, aux=n_pickle)
+        firsts, rest = self._out.seal_many(DATA, self.remote_reader_ranks, seq, parts,
+                                           aux=n_pickle)
         trackers = []
-        for rank, (header, mac) in zip(self.remote_reader_ranks, sealed, strict=True):
-            trackers.append(self._send(rank, [header, mac, *parts], copy=not large, track=large))
+        for rank, first in zip(self.remote_reader_ranks, firsts, strict=True):
+            trackers.append(self._send(rank, [first, *rest], copy=not large, track=large))
         for tracker in trackers:
             # ZeroMQ reads the caller's buffers until the bytes are sent; wait
             # for that, or the caller could change them in flight.  Published
@@ -418,6 +426,10 @@ class RemoteReader(MessageQueue):
         self._pid = os.getpid()
         self._tick_s = tick_s
         self._seq = 0
+        # Credit: ACK every half window (never more than a window, or the
+        # writer could wait for an ACK that a caught-up reader never sends).
+        self._ack_every = max(1, handle.max_chunks // 2)
+        self._acked = 0
         self._welcomed = False
         assert handle.remote_token is not None
         channel = _channel(handle.remote_token, handle.name)
@@ -466,11 +478,22 @@ class RemoteReader(MessageQueue):
                     break
         finally:
             self._busy = False
-        self._sock.send_multipart(self._out.seal(ACK, self.rank, self._seq, []))
+        if self._seq - self._acked >= self._ack_every:
+            self._acked = self._seq
+            self._sock.send_multipart(self._out.seal(ACK, self.rank, self._seq, []))
         return _decode(message)
 
     def _receive(self, deadline: float | None, what: str) -> Opened | None:
         """Wait for one frame and handle it; a DATA frame in order is returned."""
+        zmq = _zmq()
+        sock = self._sock
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        else:
+            frames = self._poll_receive(deadline, what)
+        return self._accept(frames)
+
+    def _poll_receive(self, deadline: float | None, what: str) -> list[Any]:
         zmq = _zmq()
         sock = self._sock
         while True:
@@ -486,7 +509,10 @@ class RemoteReader(MessageQueue):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
                                    f"rank {self.rank}, {self._seq} messages read)")
-        frames = sock.recv_multipart(copy=False)
+        frames: list[Any] = sock.recv_multipart(copy=False)
+        return frames
+
+    def _accept(self, frames: list[Any]) -> Opened | None:
         reason = None if self._welcomed else is_refusal(frames)
         if reason is not None:
             raise AuthenticationError(
@@ -537,9 +563,6 @@ def _decode(message: Opened) -> Any:
     import pickle
 
     n_pickle = message.aux
-    frames = message.parts
-    if n_pickle == 1:
-        data: Any = frames[0].buffer
-    else:
-        data = b"".join(f.buffer for f in frames[:n_pickle])
-    return pickle.loads(data, buffers=[f.buffer for f in frames[n_pickle:]])
+    parts = message.parts
+    data = parts[0] if n_pickle == 1 else b"".join(parts[:n_pickle])
+    return pickle.loads(data, buffers=parts[n_pickle:])
