@@ -165,6 +165,9 @@ class RemoteWriter(MessageQueue):
                 self._local.shutdown()
             raise
         self._sock = sock
+        # One poller for the queue's life: Socket.poll() builds one per call.
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
         self.remote_subscribe_addr = _endpoint(self.connect_ip, port)
 
     @property
@@ -206,7 +209,7 @@ class RemoteWriter(MessageQueue):
         # costs more than a failed non-blocking read.
         if self._drain() or wait_s <= 0:
             return
-        if self._sock.poll(max(0, int(wait_s * 1000)), _zmq().POLLIN):
+        if self._poller.poll(max(0, int(wait_s * 1000))):
             self._drain()
 
     def _drain(self) -> bool:
@@ -332,7 +335,12 @@ class RemoteWriter(MessageQueue):
                         return False
                 return len(self._identity) == len(self._acked)
 
-            self._wait_remote(has_credit, deadline, "enqueue (a remote reader is a window behind)")
+            # Credit in hand (the common case) needs no look at the socket;
+            # ACKs are read when it runs short.
+            if not (self._ready and min(self._acked.values()) > must_exceed
+                    and not self._reader_closed):
+                self._wait_remote(has_credit, deadline,
+                                  "enqueue (a remote reader is a window behind)")
             if self._local is not None:
                 self._local.enqueue(EncodedMessage(data), None if deadline is None
                                     else max(0.0, deadline - time.monotonic()))
@@ -448,6 +456,8 @@ class RemoteReader(MessageQueue):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
         sock.send_multipart(self._out.seal(HELLO, rank, self._nonce, []))
 
     @property
@@ -494,7 +504,6 @@ class RemoteReader(MessageQueue):
         return self._accept(frames)
 
     def _poll_receive(self, deadline: float | None, what: str) -> list[Any]:
-        zmq = _zmq()
         sock = self._sock
         while True:
             if self._closed:
@@ -504,7 +513,7 @@ class RemoteReader(MessageQueue):
             now = time.monotonic()
             wait = self._tick_s if deadline is None else max(0.0, min(self._tick_s,
                                                                       deadline - now))
-            if sock.poll(int(wait * 1000), zmq.POLLIN):
+            if self._poller.poll(int(wait * 1000)):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
