@@ -175,7 +175,7 @@ class MessageQueue(QueueEnd):
         from mpexec.ipc.reader import MessageQueueReader
 
         if rank not in handle.local_reader_ranks and handle.remote_subscribe_addr is not None:
-            from mpexec.ipc.remote import RemoteReader
+            from mpexec.ipc.remote_reader import RemoteReader
 
             return RemoteReader.attach(handle, rank, secret, tick_s=tick_s)
 

@@ -8,7 +8,7 @@ ranks are served over one ZeroMQ ROUTER socket bound at ``connect_ip``
 travels in the :class:`~mpexec.ipc.message_queue.Handle`
 (``remote_subscribe_addr``); a remote rank attaches with
 ``MessageQueue.create_from_handle(handle, rank, secret=...)``, which returns a
-:class:`RemoteReader` (a DEALER socket).  Every frame is sealed with
+:class:`~mpexec.ipc.remote_reader.RemoteReader` (a DEALER socket).  Every frame is sealed with
 ``auth`` (HMAC-SHA256, per-queue keys, sequence numbers)::
 
     remote reader r                            writer
@@ -56,12 +56,10 @@ from mpexec.ipc.auth import (
     DATA,
     HELLO,
     WELCOME,
-    AuthenticationError,
     DropCounter,
     FrameAuth,
     Opened,
     derive_key,
-    is_refusal,
     kind_of,
     refusal,
 )
@@ -77,12 +75,12 @@ logger = logging.getLogger(__name__)
 
 ZERO_COPY_BYTES = 64 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
-_CONTROL_MAX_BYTES = 4096  # what a reader may send the writer (HELLO/ACK/CLOSE)
-_CLOSE_GRACE_S = 2.0
-_LINGER_MS = 200
+CONTROL_MAX_BYTES = 4096  # what a reader may send the writer (HELLO/ACK/CLOSE)
+CLOSE_GRACE_S = 2.0
+LINGER_MS = 200
 
 
-def _zmq() -> Any:
+def zmq_module() -> Any:
     try:
         import zmq
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -94,7 +92,7 @@ def _endpoint(ip: str, port: int | str) -> str:
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
-def _channel(handle_token: int, name: str) -> str:
+def channel_name(handle_token: int, name: str) -> str:
     return f"mq/{name}/{handle_token:x}"
 
 
@@ -108,7 +106,7 @@ class RemoteWriter(MessageQueue):
                  secret: str | bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  tick_s: float = DEFAULT_TICK_S, **local_options: Any) -> None:
-        zmq = _zmq()
+        zmq = zmq_module()
         if secret is None:
             raise ValueError(f"queue {name!r} has remote readers: it needs the cluster secret")
         if local_reader_ranks is None:
@@ -137,9 +135,9 @@ class RemoteWriter(MessageQueue):
                                              max_chunks, name=name, tick_s=tick_s,
                                              **local_options)
         self._token = secrets.randbits(63)
-        channel = _channel(self._token, name)
+        channel = channel_name(self._token, name)
         self._out = FrameAuth(derive_key(secret, channel, "w2r"), max_message_bytes)
-        self._in = FrameAuth(derive_key(secret, channel, "r2w"), _CONTROL_MAX_BYTES)
+        self._in = FrameAuth(derive_key(secret, channel, "r2w"), CONTROL_MAX_BYTES)
         self.drops = DropCounter(f"queue {name!r} (writer)", DEFAULT_LOG_INTERVAL_S / 12)
         self._identity: dict[int, bytes] = {}
         self._nonce: dict[int, int] = {}
@@ -153,8 +151,8 @@ class RemoteWriter(MessageQueue):
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, _CONTROL_MAX_BYTES)
-            sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+            sock.setsockopt(zmq.LINGER, LINGER_MS)
             if ":" in self.connect_ip:
                 sock.setsockopt(zmq.IPV6, 1)
             port = sock.bind_to_random_port(_endpoint(self.connect_ip, "").rstrip(":"))
@@ -213,7 +211,7 @@ class RemoteWriter(MessageQueue):
             self._drain()
 
     def _drain(self) -> bool:
-        zmq = _zmq()
+        zmq = zmq_module()
         sock = self._sock
         got = False
         # ZMQ_EVENTS costs less than a failed non-blocking read (an exception).
@@ -261,7 +259,7 @@ class RemoteWriter(MessageQueue):
         self._send(rank, self._out.seal(WELCOME, rank, self._nonce[rank], [], aux=self._seq))
 
     def _refuse(self, identity: bytes) -> None:
-        zmq = _zmq()  # the failed MAC was counted (and logged) as a drop already
+        zmq = zmq_module()  # the failed MAC was counted (and logged) as a drop already
         try:
             self._sock.send_multipart([identity, *refusal("bad secret")], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -269,7 +267,7 @@ class RemoteWriter(MessageQueue):
 
     def _send(self, rank: int, frames: list[Any], copy: bool = True, track: bool = False,
               ) -> Any:
-        zmq = _zmq()
+        zmq = zmq_module()
         try:
             return self._sock.send_multipart([self._identity[rank], *frames], copy=copy,
                                              track=track)
@@ -382,7 +380,7 @@ class RemoteWriter(MessageQueue):
         self._closed = True
         if self._pid != os.getpid():
             return  # a forked copy: the sockets belong to the parent
-        deadline = time.monotonic() + _CLOSE_GRACE_S
+        deadline = time.monotonic() + CLOSE_GRACE_S
         while self._busy and time.monotonic() < deadline:
             time.sleep(0.001)
         if not self._busy:
@@ -391,7 +389,7 @@ class RemoteWriter(MessageQueue):
                     self._send(rank, self._out.seal(CLOSE, rank, self._seq, []))
                 except Exception:
                     pass
-            self._sock.close(_LINGER_MS)
+            self._sock.close(LINGER_MS)
             self._context.term()
         if self._local is not None:
             self._local.shutdown()
@@ -400,178 +398,3 @@ class RemoteWriter(MessageQueue):
         state = "closed" if self._closed else "open"
         return (f"<MessageQueue {self.name!r} writer {state} readers={self.n_reader} "
                 f"remote={self.remote_reader_ranks} at {self.remote_subscribe_addr}>")
-
-
-class RemoteReader(MessageQueue):
-    """A reader end on another host (see the module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # made by attach()
-
-    @classmethod
-    def attach(cls, handle: Handle, rank: int, secret: str | bytes | None, *,
-               max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-               tick_s: float = DEFAULT_TICK_S) -> RemoteReader:
-        if secret is None:
-            raise ValueError(f"queue {handle.name!r}: a remote reader needs the cluster secret")
-        if handle.remote_subscribe_addr is None or rank in handle.local_reader_ranks or not (
-                0 <= rank < handle.n_reader):
-            raise ValueError(f"rank {rank} is not a remote reader of queue {handle.name!r}")
-        reader = object.__new__(cls)
-        reader._attach(handle, rank, secret, max_message_bytes, tick_s)
-        return reader
-
-    def _attach(self, handle: Handle, rank: int, secret: str | bytes,
-                max_message_bytes: int, tick_s: float) -> None:
-        zmq = _zmq()
-        self.name = handle.name
-        self.n_reader = handle.n_reader
-        self.n_local_reader = len(handle.local_reader_ranks)
-        self.local_reader_ranks = list(handle.local_reader_ranks)
-        self.rank = rank
-        self._closed = False
-        self._busy = False
-        self._pid = os.getpid()
-        self._tick_s = tick_s
-        self._seq = 0
-        # Credit: ACK every half window (never more than a window, or the
-        # writer could wait for an ACK that a caught-up reader never sends).
-        self._ack_every = max(1, handle.max_chunks // 2)
-        self._acked = 0
-        self._welcomed = False
-        assert handle.remote_token is not None
-        channel = _channel(handle.remote_token, handle.name)
-        self._in = FrameAuth(derive_key(secret, channel, "w2r"), max_message_bytes)
-        self._out = FrameAuth(derive_key(secret, channel, "r2w"), _CONTROL_MAX_BYTES)
-        self.drops = DropCounter(f"queue {handle.name!r} (remote reader rank {rank})")
-        self._nonce = secrets.randbits(63)
-        self._writer_closed = False
-        self._context = zmq.Context(1)
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        if max_message_bytes < 2**63:
-            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        if ":" in (handle.connect_ip or ""):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(handle.remote_subscribe_addr)
-        self._sock = sock
-        self._poller = zmq.Poller()
-        self._poller.register(sock, zmq.POLLIN)
-        sock.send_multipart(self._out.seal(HELLO, rank, self._nonce, []))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def broadcast_object(self, obj: Any = None) -> Any:
-        return self.dequeue()
-
-    def _handshake(self, deadline: float | None) -> None:
-        self._busy = True
-        try:
-            while not self._welcomed:
-                self._receive(deadline, "wait_until_ready (writer's WELCOME)")
-        finally:
-            self._busy = False
-
-    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """The next message, in order; frames that fail authentication are dropped."""
-        if self._closed:
-            raise QueueClosedError(f"queue {self.name!r} was shut down")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._busy = True
-        try:
-            while True:
-                message = self._receive(deadline, "dequeue")
-                if message is not None:
-                    break
-        finally:
-            self._busy = False
-        if self._seq - self._acked >= self._ack_every:
-            self._acked = self._seq
-            self._sock.send_multipart(self._out.seal(ACK, self.rank, self._seq, []))
-        return _decode(message)
-
-    def _receive(self, deadline: float | None, what: str) -> Opened | None:
-        """Wait for one frame and handle it; a DATA frame in order is returned."""
-        zmq = _zmq()
-        sock = self._sock
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        else:
-            frames = self._poll_receive(deadline, what)
-        return self._accept(frames)
-
-    def _poll_receive(self, deadline: float | None, what: str) -> list[Any]:
-        sock = self._sock
-        while True:
-            if self._closed:
-                raise QueueClosedError(f"queue {self.name!r} was shut down")
-            if self._writer_closed:
-                raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
-            now = time.monotonic()
-            wait = self._tick_s if deadline is None else max(0.0, min(self._tick_s,
-                                                                      deadline - now))
-            if self._poller.poll(int(wait * 1000)):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
-                                   f"rank {self.rank}, {self._seq} messages read)")
-        frames: list[Any] = sock.recv_multipart(copy=False)
-        return frames
-
-    def _accept(self, frames: list[Any]) -> Opened | None:
-        reason = None if self._welcomed else is_refusal(frames)
-        if reason is not None:
-            raise AuthenticationError(
-                f"queue {self.name!r}: the writer refused remote reader rank {self.rank} "
-                f"({reason}): this host's cluster secret differs from the writer's")
-        opened = self._in.open(frames, self.drops)
-        if opened is None:
-            return None
-        if opened.rank != self.rank:
-            self.drops.drop("for another rank")
-        elif opened.kind == DATA:
-            if opened.seq == self._seq and self._welcomed:
-                self._seq += 1
-                return opened
-            self.drops.drop("replayed" if opened.seq < self._seq else "out of order")
-        elif opened.kind == WELCOME and opened.seq == self._nonce and not self._welcomed:
-            self._welcomed = True
-        elif opened.kind == CLOSE and opened.seq == self._seq:
-            self._writer_closed = True
-        else:
-            self.drops.drop("replayed")
-        return None
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._pid != os.getpid():
-            return
-        deadline = time.monotonic() + _CLOSE_GRACE_S
-        while self._busy and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if not self._busy:
-            try:
-                self._sock.send_multipart(self._out.seal(CLOSE, self.rank, self._seq, []),
-                                          _zmq().NOBLOCK)
-            except Exception:
-                pass
-            self._sock.close(_LINGER_MS)
-            self._context.term()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"<MessageQueue {self.name!r} remote reader {self.rank} {state}>"
-
-
-def _decode(message: Opened) -> Any:
-    import pickle
-
-    n_pickle = message.aux
-    parts = message.parts
-    data = parts[0] if n_pickle == 1 else b"".join(parts[:n_pickle])
-    return pickle.loads(data, buffers=parts[n_pickle:])
