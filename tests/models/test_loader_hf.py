@@ -130,6 +130,14 @@ def test_truncated_shard(copy: Path) -> None:
     assert shard(copy).name in str(caught.value)
 
 
+def test_every_cut_of_a_shard_fails_at_open(copy: Path) -> None:
+    data = shard(copy).read_bytes()
+    for cut in [0, 4, 8, 9, 100, len(data) // 3, len(data) - 1]:
+        shard(copy).write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=shard(copy).name):
+            open_checkpoint(copy)
+
+
 def test_bad_header(copy: Path) -> None:
     shard(copy, 1).write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match=shard(copy, 1).name):
