@@ -77,6 +77,21 @@ def test_hf_directory_matches_transformers(tmp_path: Path, add_bos: bool) -> Non
     assert mine.vocab_size == len(oracle)
 
 
+@pytest.mark.torch
+def test_bos_follows_the_post_processor_like_transformers(tmp_path: Path) -> None:
+    """add_bos_token in tokenizer_config.json alone adds nothing, in transformers either."""
+    import json
+
+    transformers = import_oracle()
+    directory = write_tiny_checkpoint(tmp_path / "t", num_hidden_layers=1)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                 "add_bos_token": True}))
+    oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
+    mine = Tokenizer.from_hf_dir(directory)
+    assert mine.encode("hello there") == oracle.encode("hello there")
+
+
 def test_gguf_tokenizer_equals_the_directory_it_came_from(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     directory = write_tiny_checkpoint(tmp_path / "t", hidden_size=288, intermediate_size=224,
