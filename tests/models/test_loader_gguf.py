@@ -180,6 +180,15 @@ def test_shape_mismatch_with_metadata(tmp_path: Path, tiny_dir: Path) -> None:
         open_checkpoint(path)
 
 
+@pytest.mark.parametrize(("count", "field"), [(3, r"llama\.block_count"),
+                                               (10**9, "num_hidden_layers")])
+def test_block_count_that_the_tensors_do_not_have(tmp_path: Path, tiny_dir: Path, count: int,
+                                                  field: str) -> None:
+    path = write_tiny_gguf(tmp_path / "b.gguf", tiny_dir, metadata_changes={"block_count": count})
+    with pytest.raises(CheckpointError, match=rf"b\.gguf: {field}"):
+        open_checkpoint(path)
+
+
 def test_missing_metadata_field(tmp_path: Path, tiny_dir: Path) -> None:
     path = write_tiny_gguf(tmp_path / "f.gguf", tiny_dir, metadata_changes={"block_count": 0})
     with pytest.raises(CheckpointError, match=r"f\.gguf: num_hidden_layers"):
