@@ -118,6 +118,11 @@ def test_smollm2_matches_transformers(smollm2_gguf: Path) -> None:
     assert mine.bos_token_id == 1 and mine.eos_token_ids == (2,)
     assert mine.encode("Hello")[0] != mine.bos_token_id  # SmolLM2 adds no BOS
     assert mine.vocab_size == 49152
+    text = "naïve 日本語 😀🎉 👩‍👩‍👧 done"
+    ids = mine.encode(text)
+    decoder = IncrementalDecoder(mine)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     prompt = mine.chat_prompt([{"role": "user", "content": "Hi"}])
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert prompt.endswith("<|im_start|>assistant\n")
