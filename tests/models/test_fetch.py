@@ -180,7 +180,11 @@ def test_local_paths_are_checked(tmp_path: Path) -> None:
         resolve_model(tmp_path / "fake.gguf")
     (tmp_path / "real.gguf").write_bytes(PAYLOAD)
     assert resolve_model(str(tmp_path / "real.gguf")) == (tmp_path / "real.gguf").resolve()
-    with pytest.raises(ModelFetchError, match=r"without config\.json"):
+    with pytest.raises(ModelFetchError, match=r"without config\.json.*pass the file itself"):
+        resolve_model(tmp_path)
+    for name in ("real.gguf", "fake.gguf"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ModelFetchError, match=r"without config\.json; pass a local"):
         resolve_model(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelFetchError, match="safetensors"):

@@ -105,6 +105,10 @@ def check_local_model(path: Path) -> Path:
                 raise ModelFetchError(f"{path}: does not start with the GGUF magic; {LOCAL_HINT}")
         return path.resolve()
     if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            raise ModelFetchError(f"{path}: directory without config.json; to use "
+                                  f"{ggufs[0].name}, pass the file itself")
         raise ModelFetchError(f"{path}: directory without config.json; {LOCAL_HINT}")
     if not any(path.glob("*.safetensors")):
         raise ModelFetchError(f"{path}: directory without *.safetensors weights; {LOCAL_HINT}")
