@@ -330,3 +330,18 @@ def test_step_methods_have_a_deadline() -> None:
             ex.execute_dummy_batch()
         with pytest.raises(TimeoutError, match="take_draft_token_ids"):
             ex.take_draft_token_ids()  # the worker is still in the dummy batch
+
+
+def test_an_executor_dropped_without_shutdown_is_collected_and_ends_its_workers() -> None:
+    import gc
+    import weakref
+
+    ex = MultiprocExecutor(make_config(tp=2))
+    ex.collective_rpc("echo", args=(1,), non_block=True).result(timeout=WAIT_S)
+    assert ex.collective_rpc("echo", args=(2,)) == [2, 2]
+    pids = [w.pid for w in ex.workers]
+    ref = weakref.ref(ex)
+    del ex
+    gc.collect()
+    assert ref() is None  # nothing (monitor, pump, router) keeps it alive
+    assert _wait_gone(pids)

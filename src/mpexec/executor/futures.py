@@ -37,6 +37,7 @@ the lock is released, so a callback may call the executor again.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -48,6 +49,7 @@ from typing import Any, Protocol
 
 from mpexec.errors import WorkerError
 from mpexec.executor.protocol import Reply, qualified_type_name
+from mpexec.executor.stats import CallStats
 
 
 class UndecodableReply(Exception):
@@ -69,6 +71,10 @@ class ReplyReader(Protocol):
         """Put ``reply`` back so that the next ``read_reply(rank)`` returns it."""
 
 
+def _finished(replies: dict[int, Reply]) -> Any:
+    raise RuntimeError("this call is already resolved")
+
+
 def _earliest(*deadlines: float | None) -> float | None:
     present = [d for d in deadlines if d is not None]
     return min(present) if present else None
@@ -78,12 +84,13 @@ class PendingCall:
     """One broadcast call until its outcome is known."""
 
     __slots__ = ("call_id", "method", "timeout", "deadline", "missing", "replies", "finish",
-                 "done", "value", "error", "future")
+                 "done", "value", "error", "future", "started")
 
     def __init__(self, call_id: int, method: str, ranks: Sequence[int], deadline: float | None,
                  finish: Callable[[dict[int, Reply]], Any], timeout: float | None = None,
-                 future: FutureWrapper | None = None) -> None:
+                 future: FutureWrapper | None = None, started: float = 0.0) -> None:
         self.call_id = call_id
+        self.started = started
         self.method = method
         self.timeout = timeout
         self.deadline = deadline
@@ -145,6 +152,10 @@ class CallOrder:
 
     def __init__(self, reader: ReplyReader, clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.Lock()   # whoever holds it reads replies
+        # Where a resolved future's latency is recorded (the executor's stats);
+        # held here, not as a callback into the executor, so nothing here
+        # keeps the executor alive.
+        self.stats: CallStats | None = None
         self.clock = clock
         self._reader = reader
         self._pending: deque[PendingCall] = deque()
@@ -185,6 +196,7 @@ class CallOrder:
                 return False
             call.value, call.error, call.done = value, error, True
             call.replies = {}
+            call.finish = _finished  # drop the executor it refers to
             pending = self._pending
             if pending and pending[0] is call:
                 pending.popleft()
@@ -207,8 +219,11 @@ class CallOrder:
     def _settle_all(self) -> None:
         with self._mutex:
             calls, self._settle_later = self._settle_later, []
+        stats = self.stats
         for call in calls:
             settle(call)
+            if stats is not None:
+                stats.record(call.method, self.clock() - call.started, call.error is None)
 
     # -- progress --------------------------------------------------------------------
 
@@ -300,6 +315,9 @@ def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:
     return error
 
 
+_LINGER_S = 0.0005
+
+
 class ReplyPump:
     """Resolves calls while non-blocking futures are pending; sleeps otherwise.
 
@@ -347,3 +365,8 @@ class ReplyPump:
                 continue
             with suppress(TimeoutError):
                 order.wait(target)
+            del target            # A caller that keeps issuing futures (an engine step after step)
+            # finds the pump still awake for a moment: no wake-up to pay.
+            linger_until = time.monotonic() + _LINGER_S
+            while not order.futures_pending and time.monotonic() < linger_until:
+                os.sched_yield()

@@ -83,7 +83,19 @@ class MultiprocExecutor(Executor):
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
         self.shared_worker_lock: Any = None
-        self.replies = ReplyRouter(self._closed_error, self._pid_of)
+        # The router outlives calls (the lifecycle holds it); weak references
+        # back to the executor keep the executor collectable.
+        self_ref = weakref.ref(self)
+
+        def closed_error(rank: int, exc: QueueClosedError) -> Exception:
+            executor = self_ref()
+            return exc if executor is None else executor._closed_error(rank, exc)
+
+        def pid_of(rank: int) -> int:
+            executor = self_ref()
+            return -1 if executor is None else executor._pid_of(rank)
+
+        self.replies = ReplyRouter(closed_error, pid_of)
         self.calls = CallOrder(self.replies)
         self.lifecycle.calls = self.calls
         self._broadcast_lock = threading.Lock()
@@ -104,6 +116,7 @@ class MultiprocExecutor(Executor):
         config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
         life = self.lifecycle
+        self.calls.stats = self.call_stats
         try:
             with self.tracer.span("executor.start", world_size=self.world_size):
                 self._start_workers(deadline)
@@ -259,7 +272,8 @@ class MultiprocExecutor(Executor):
             self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
                             deadline, name)
             self._next_call_id = call_id
-            call = PendingCall(call_id, name, ranks, deadline, finish, timeout)
+            call = PendingCall(call_id, name, ranks, deadline, finish, timeout,
+                               started=started)
             future = FutureWrapper(calls, call) if non_block else None
             calls.add(call)
         if future is None:
@@ -273,9 +287,6 @@ class MultiprocExecutor(Executor):
                 self.call_stats.record(name, time.monotonic() - started, ok)
         if calls.pump is None:
             ReplyPump(calls)
-        stats = self.call_stats
-        future.add_done_callback(
-            lambda f: stats.record(name, time.monotonic() - started, f.exception() is None))
         return future
 
     def _complete(self, name: str, unique_reply_rank: int | None,
