@@ -168,9 +168,9 @@ def rpc_round_trip(workers: int, iters: int) -> list[float]:
     return samples
 
 
-def bench_round_trip(iters: int, passes: int) -> None:
+def bench_round_trip(iters: int, passes: int, sizes: list[int]) -> None:
     rows = []
-    for workers in (1, 2, 4):
+    for workers in sizes:
         raw: list[float] = []
         rpc: list[float] = []
         ratios = []
@@ -190,9 +190,9 @@ def bench_round_trip(iters: int, passes: int) -> None:
 
 # -- 2. pipelining ----------------------------------------------------------------
 
-def bench_pipelined(calls: int, passes: int) -> None:
+def bench_pipelined(calls: int, passes: int, sizes: list[int]) -> None:
     rows = []
-    for workers in (1, 2, 4):
+    for workers in sizes:
         rates = []
         for _ in range(passes):
             with MultiprocExecutor(config(workers)) as ex:
@@ -448,15 +448,17 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3, help="passes for 1 and 2")
     parser.add_argument("--only", default="roundtrip,pipelined,future,lifecycle,crashes")
     parser.add_argument("--methods", default="fork,spawn", help="start methods for 5")
+    parser.add_argument("--workers", default="1,2,4", help="worker counts for 1 and 2")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     only = set(args.only.split(","))
+    sizes = [int(n) for n in args.workers.split(",")]
     print(f"mpexec executor benchmark ({SRC}): {os.cpu_count()} CPUs, "
           f"python {sys.version.split()[0]}\n")
     if "roundtrip" in only:
-        bench_round_trip(args.iters, args.passes)
+        bench_round_trip(args.iters, args.passes, sizes)
     if "pipelined" in only:
-        bench_pipelined(args.pipelined, args.passes)
+        bench_pipelined(args.pipelined, args.passes, sizes)
     if "future" in only:
         bench_future_completion(args.iters // 3)
     if "lifecycle" in only:

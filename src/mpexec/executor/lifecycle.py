@@ -85,6 +85,8 @@ class Lifecycle:
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
         self.state = State.STARTING
+        # state is READY: one attribute read on every call's path
+        self.usable = False
         self.death: Death | None = None
         self.handles: list[LocalWorkerHandle] = []
         self.queues: list[MessageQueue] = []
@@ -109,6 +111,7 @@ class Lifecycle:
         with self.lock:
             if self.state is State.STARTING:
                 self.state = State.READY
+                self.usable = True
 
     def closed_error(self) -> Exception:
         """What a call sees once the executor is no longer usable."""
@@ -130,6 +133,7 @@ class Lifecycle:
             if self.state in (State.FAILED, State.CLOSED):
                 return False
             self.state = State.FAILED
+            self.usable = False
             death = self.death = Death(handle.rank, handle.pid, exitcode, how)
         logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
                      handle.name, how or describe_exitcode(exitcode))
@@ -180,6 +184,7 @@ class Lifecycle:
         if os.getpid() != self.owner_pid:
             return  # a forked copy must not touch the parent's workers
         with self.lock:
+            self.usable = False
             if self.state is not State.FAILED:
                 self.state = State.CLOSED
         self.teardown()

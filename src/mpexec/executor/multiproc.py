@@ -46,7 +46,7 @@ import cloudpickle
 from mpexec.config import ExecutorConfig
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
-from mpexec.executor.futures import CallOrder, FutureWrapper, PendingCall, ReplyPump
+from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyPump
 from mpexec.executor.launch import handshake, wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher, LocalWorkerHandle
 from mpexec.executor.lifecycle import Lifecycle, State
@@ -79,6 +79,9 @@ class MultiprocExecutor(Executor):
         self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
         self.lifecycle = Lifecycle(self.termination)
         self.tracer = Tracer.create(config.trace, "Executor")
+        if self.tracer.enabled:
+            # Only a traced executor pays for the span around each call.
+            self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
         self.workers: list[LocalWorkerHandle] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
@@ -96,6 +99,10 @@ class MultiprocExecutor(Executor):
             return -1 if executor is None else executor._pid_of(rank)
 
         self.replies = ReplyRouter(closed_error, pid_of)
+        # The two usual ways replies become a value, built once (no executor
+        # reference: they live as long as pending calls do).
+        self._finish_single = partial(decode_replies, single=True, pid_of=pid_of)
+        self._finish_list = partial(decode_replies, single=False, pid_of=pid_of)
         self.calls = CallOrder(self.replies)
         self.lifecycle.calls = self.calls
         self._broadcast_lock = threading.Lock()
@@ -237,20 +244,12 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
         kv_output_aggregator: KVOutputAggregator | None = None,
     ) -> Any:
-        if self.lifecycle.state is not State.READY:
+        if not self.lifecycle.usable:
             raise self.lifecycle.closed_error()
-        check_call(args, kwargs, timeout, unique_reply_rank, self.world_size)
-        if self.tracer.enabled:
-            name = method if isinstance(method, str) else "callable"
-            with self.tracer.span("executor.collective_rpc", method=name):
-                return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank,
-                                  kv_output_aggregator)
-        return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank,
-                          kv_output_aggregator)
-
-    def _call(self, method: str | Callable[..., Any], timeout: float | None,
-              args: tuple[Any, ...], kwargs: dict[str, Any] | None, non_block: bool,
-              unique_reply_rank: int | None, aggregator: KVOutputAggregator | None) -> Any:
+        if (args.__class__ is not tuple or timeout is not None or unique_reply_rank is not None
+                or (kwargs is not None and kwargs.__class__ is not dict)):
+            check_call(args, kwargs, timeout, unique_reply_rank, self.world_size)
+        aggregator = kv_output_aggregator
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         if isinstance(method, str):
@@ -265,36 +264,54 @@ class MultiprocExecutor(Executor):
         else:
             output_rank = unique_reply_rank
             ranks = self._all_ranks if output_rank is None else (output_rank,)
-        finish = partial(self._complete, name, unique_reply_rank, aggregator)
+        if aggregator is not None:
+            finish: Finish = partial(_aggregate, aggregator, unique_reply_rank or 0, self._pid_of)
+        elif unique_reply_rank is None:
+            finish = self._finish_list
+        else:
+            finish = self._finish_single
         calls = self.calls
         with self._broadcast_lock:
             call_id = self._next_call_id + 1
             self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
                             deadline, name)
             self._next_call_id = call_id
-            call = PendingCall(call_id, name, ranks, deadline, finish, timeout,
-                               started=started)
-            future = FutureWrapper(calls, call) if non_block else None
-            calls.add(call)
-        if future is None:
+            call = PendingCall(call_id, name, ranks, deadline, finish, timeout, started)
+            if non_block:
+                future = FutureWrapper(calls, call)
+                calls.add(call)
+            else:
+                calls.pending.append(call)
+        if not non_block:
             ok = False
             try:
-                calls.wait(call)
-                value = call.outcome()
+                lock = calls.lock
+                # Nothing older pending and no one reading: resolve it here
+                # and now (the usual case, as fast as reading the replies).
+                pending = calls.pending
+                if pending[0] is call and lock.acquire(False):
+                    try:
+                        if pending and pending[0] is call and not call.done:
+                            calls.resolve_own(call)
+                    finally:
+                        lock.release()
+                if not call.done:
+                    calls.wait(call)
+                if call.error is not None:
+                    raise call.error
                 ok = True
-                return value
+                return call.value
             finally:
                 self.call_stats.record(name, time.monotonic() - started, ok)
         if calls.pump is None:
             ReplyPump(calls)
         return future
 
-    def _complete(self, name: str, unique_reply_rank: int | None,
-                  aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:
-        if aggregator is not None:
-            outputs = decode_replies(name, False, replies, self._pid_of)
-            return aggregator.aggregate(outputs, unique_reply_rank or 0)
-        return decode_replies(name, unique_reply_rank is not None, replies, self._pid_of)
+    def _traced_collective_rpc(self, method: str | Callable[..., Any], *args: Any,
+                               **kwargs: Any) -> Any:
+        name = method if isinstance(method, str) else "callable"
+        with self.tracer.span("executor.collective_rpc", method=name):
+            return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
 
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         """Put one call on the broadcast ring (the one place that does)."""
@@ -328,6 +345,12 @@ class MultiprocExecutor(Executor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True
+
+
+def _aggregate(aggregator: KVOutputAggregator, output_rank: int, pid_of: Callable[[int], int],
+               method: str, replies: dict[int, Reply]) -> Any:
+    """Every worker's reply merged by the KV output aggregator."""
+    return aggregator.aggregate(decode_replies(method, replies, False, pid_of), output_rank)
 
 
 __all__ = ["MultiprocExecutor", "WorkerStartupError"]
