@@ -210,8 +210,13 @@ class MultiprocExecutor(Executor):
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle = self._dead_worker(rank, exc)
-            if handle is not None and life.worker_died(handle) and not self.monitor_workers:
-                threading.Thread(target=self._after_death, daemon=True).start()
+            # The monitor runs the callbacks and the teardown when it sees the
+            # death; without a monitor, or for a worker that closed its queue
+            # yet lives on (no death for the monitor to see), a thread does.
+            if handle is not None and life.worker_died(handle) and (
+                    not self.monitor_workers or handle.is_alive()):
+                threading.Thread(target=self._after_death, daemon=True,
+                                 name="MpexecAfterDeath").start()
         return life.closed_error()
 
     def _after_death(self) -> None:
@@ -279,6 +284,8 @@ class MultiprocExecutor(Executor):
             call = PendingCall(call_id, name, ranks, deadline, finish, timeout, started)
             if non_block:
                 future = FutureWrapper(calls, call)
+                if calls.pump is None:
+                    ReplyPump(calls)
                 calls.add(call)
             else:
                 calls.pending.append(call)
@@ -303,8 +310,6 @@ class MultiprocExecutor(Executor):
                 return call.value
             finally:
                 self.call_stats.record(name, time.monotonic() - started, ok)
-        if calls.pump is None:
-            ReplyPump(calls)
         return future
 
     def _traced_collective_rpc(self, method: str | Callable[..., Any], *args: Any,
