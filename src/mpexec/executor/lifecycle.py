@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
 from mpexec.executor.futures import CallOrder
-from mpexec.executor.launcher import LocalWorkerHandle
+from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.spec import PortReservation
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc import MessageQueue
@@ -88,7 +88,7 @@ class Lifecycle:
         # state is READY: one attribute read on every call's path
         self.usable = False
         self.death: Death | None = None
-        self.handles: list[LocalWorkerHandle] = []
+        self.handles: list[WorkerHandle] = []
         self.queues: list[MessageQueue] = []
         self.calls: CallOrder | None = None
         self.port: PortReservation | None = None
@@ -126,7 +126,7 @@ class Lifecycle:
                 return
         _run_callback(callback)
 
-    def worker_died(self, handle: LocalWorkerHandle, how: str = "") -> bool:
+    def worker_died(self, handle: WorkerHandle, how: str = "") -> bool:
         """Fail the executor because ``handle`` is gone; True for the first death."""
         exitcode = handle.wait_exitcode()
         with self.lock:

@@ -48,7 +48,7 @@ from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
 from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyPump
 from mpexec.executor.launch import handshake, wait_for_ready
-from mpexec.executor.launcher import LocalProcessLauncher, LocalWorkerHandle
+from mpexec.executor.launcher import LocalProcessLauncher, WorkerHandle
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.protocol import Reply, decode_replies
 from mpexec.executor.ranks import global_start_rank
@@ -82,7 +82,7 @@ class MultiprocExecutor(Executor):
         if self.tracer.enabled:
             # Only a traced executor pays for the span around each call.
             self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
-        self.workers: list[LocalWorkerHandle] = self.lifecycle.handles
+        self.workers: list[WorkerHandle] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
         self.shared_worker_lock: Any = None
@@ -197,12 +197,13 @@ class MultiprocExecutor(Executor):
         else:
             self.lifecycle.start_monitor()
 
-    def _handle(self, rank: int) -> LocalWorkerHandle:
+    def _handle(self, rank: int) -> WorkerHandle:
         return self.workers[rank - self._start_rank]
 
     def _pid_of(self, rank: int) -> int:
         local = rank - self._start_rank
-        return self.workers[local].pid if 0 <= local < len(self.workers) else -1
+        pid = self.workers[local].pid if 0 <= local < len(self.workers) else None
+        return -1 if pid is None else pid
 
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         """What a caller sees when a queue closed under it: if a worker is
@@ -223,7 +224,7 @@ class MultiprocExecutor(Executor):
         self.lifecycle.fire_callbacks()
         self.lifecycle.teardown()
 
-    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> LocalWorkerHandle | None:
+    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
         if rank is None and isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
             rank = self._start_rank + int(exc.role.split()[1])
         candidates = self.workers if rank is None else [self._handle(rank)]
