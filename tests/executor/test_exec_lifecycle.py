@@ -361,3 +361,21 @@ def test_a_death_under_back_pressure_is_a_worker_died_error() -> None:
         for future in busy:
             with pytest.raises(WorkerDiedError):
                 future.result(timeout=WAIT_S)
+
+
+def test_shutdown_from_the_failure_callback() -> None:
+    ex = MultiprocExecutor(make_config(tp=2))
+    done = threading.Event()
+
+    def on_failure() -> None:
+        ex.shutdown()  # on the monitor thread, before its own teardown
+        done.set()
+
+    ex.register_failure_callback(on_failure)
+    pids = [w.pid for w in ex.workers]
+    os.kill(pids[0], signal.SIGKILL)
+    assert done.wait(WAIT_S)
+    assert _wait_gone(pids)
+    with pytest.raises(WorkerDiedError):
+        ex.collective_rpc("echo", args=(1,))
+    ex.shutdown()
