@@ -277,19 +277,22 @@ class MultiprocExecutor(Executor):
         else:
             finish = self._finish_single
         calls = self.calls
+        # Everything that can be done before the broadcast is: once the call
+        # is out, every instruction here delays reading its replies (and, on
+        # a shared core, the worker answering it).
+        call = PendingCall(0, name, ranks, deadline, finish, timeout, started)
+        future = FutureWrapper(calls, call) if non_block else None
+        kwargs = kwargs or {}
         with self._broadcast_lock:
-            call_id = self._next_call_id + 1
-            self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
-                            deadline, name)
+            call.call_id = call_id = self._next_call_id + 1
+            self._broadcast((call_id, send_method, args, kwargs, output_rank), deadline, name)
             self._next_call_id = call_id
-            call = PendingCall(call_id, name, ranks, deadline, finish, timeout, started)
-            if non_block:
-                future = FutureWrapper(calls, call)
+            if future is None:
+                calls.pending.append(call)
+            else:
                 if calls.pump is None:
                     ReplyPump(calls)
                 calls.add(call)
-            else:
-                calls.pending.append(call)
         if not non_block:
             ok = False
             try:
@@ -311,6 +314,7 @@ class MultiprocExecutor(Executor):
                 return call.value
             finally:
                 self.call_stats.record(name, time.monotonic() - started, ok)
+        assert future is not None
         return future
 
     def _traced_collective_rpc(self, method: str | Callable[..., Any], *args: Any,
