@@ -101,8 +101,14 @@ class MultiprocExecutor(Executor):
         self.replies = ReplyRouter(closed_error, pid_of)
         # The two usual ways replies become a value, built once (no executor
         # reference: they live as long as pending calls do).
-        self._finish_single = partial(decode_replies, single=True, pid_of=pid_of)
-        self._finish_list = partial(decode_replies, single=False, pid_of=pid_of)
+        def finish_single(method: str, replies: dict[int, Reply]) -> Any:
+            return decode_replies(method, replies, True, pid_of)
+
+        def finish_list(method: str, replies: dict[int, Reply]) -> Any:
+            return decode_replies(method, replies, False, pid_of)
+
+        self._finish_single: Finish = finish_single
+        self._finish_list: Finish = finish_list
         self.calls = CallOrder(self.replies)
         self.lifecycle.calls = self.calls
         self._broadcast_lock = threading.Lock()
@@ -285,14 +291,21 @@ class MultiprocExecutor(Executor):
         kwargs = kwargs or {}
         with self._broadcast_lock:
             call.call_id = call_id = self._next_call_id + 1
-            self._broadcast((call_id, send_method, args, kwargs, output_rank), deadline, name)
-            self._next_call_id = call_id
             if future is None:
-                calls.pending.append(call)
+                calls.pending.append(call)  # before the broadcast: nothing after it
+                try:
+                    self._broadcast((call_id, send_method, args, kwargs, output_rank),
+                                    deadline, name)
+                except BaseException:
+                    calls.pending.pop()  # ours: appended under this lock, never sent
+                    raise
             else:
+                self._broadcast((call_id, send_method, args, kwargs, output_rank),
+                                deadline, name)
                 if calls.pump is None:
                     ReplyPump(calls)
                 calls.add(call)
+            self._next_call_id = call_id
         if not non_block:
             ok = False
             try:
