@@ -171,10 +171,6 @@ def test_grandchild_holding_inherited_descriptors_does_not_hide_a_death(
     assert _wait_gone([grandchild])  # shutdown ended the worker's process group
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the transport's peer checks still use select(), which refuses descriptors above "
-    "1024; the executor's own waits use poll. Passes once mpexec.ipc polls (issue 6, "
-    "item 8, the ipc side)"))
 def test_many_descriptors_in_the_driver() -> None:
     import resource
 

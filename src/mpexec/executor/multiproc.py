@@ -340,12 +340,18 @@ class MultiprocExecutor(Executor):
         """Put one call on the broadcast ring (the one place that does)."""
         mq = self.rpc_broadcast_mq
         assert mq is not None
+        try:
+            # Pickled once here (a pickling error is the caller's, raised now);
+            # every retry below sends these same bytes.
+            encoded = mq.encode(message)
+        except QueueClosedError as exc:
+            raise self._closed_error(None, exc) from exc
         # The first try does not wait: if the ring is full, the workers may be
         # stuck on full reply rings, and only draining them lets them move.
         wait_s = 0.0
         while True:
             try:
-                mq.enqueue(message, timeout=wait_s)
+                mq.enqueue(encoded, timeout=wait_s)
                 return
             except TimeoutError:
                 pass
