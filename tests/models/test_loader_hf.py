@@ -130,6 +130,14 @@ def test_truncated_shard(copy: Path) -> None:
     assert shard(copy).name in str(caught.value)
 
 
+def test_every_cut_of_a_shard_fails_at_open(copy: Path) -> None:
+    data = shard(copy).read_bytes()
+    for cut in [0, 4, 8, 9, 100, len(data) // 3, len(data) - 1]:
+        shard(copy).write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=shard(copy).name):
+            open_checkpoint(copy)
+
+
 def test_bad_header(copy: Path) -> None:
     shard(copy, 1).write_bytes(b"\xff" * 64)
     with pytest.raises(CheckpointError, match=shard(copy, 1).name):
@@ -167,3 +175,34 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         open_checkpoint(tmp_path / "weights.bin")
     with pytest.raises(CheckpointError, match=r"config\.json"):
         open_checkpoint(tmp_path)
+
+
+def test_gguf_copy_of_the_tiny_checkpoint_is_identical(tiny_checkpoint: Path,
+                                                       tiny_gguf: Path) -> None:
+    with open_checkpoint(tiny_checkpoint) as hf, open_checkpoint(tiny_gguf) as gg:
+        assert sorted(hf.names()) == sorted(gg.names())
+        for name in hf.names():
+            assert torch.equal(hf.read(name), gg.read(name)), name
+
+
+@pytest.mark.timeout(300)
+def test_transformers_loads_the_tiny_checkpoint_and_its_forward_is_sane(
+        tiny_checkpoint: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint),
+                                                              dtype=torch.float32)
+    state = model.state_dict()
+    with open_checkpoint(tiny_checkpoint) as ckpt:
+        assert set(state) - {"lm_head.weight"} == set(ckpt.names())
+        for name in ckpt.names():
+            assert torch.equal(state[name], ckpt.read(name)), name
+        tokenizer = ckpt.tokenizer()
+    ids = torch.tensor([tokenizer.encode("the quick brown fox jumps over the lazy dog " * 8)])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    assert torch.isfinite(logits).all()
+    spread = logits.std(dim=-1)
+    assert float(spread.min()) > 0.3 and float(logits.abs().max()) < 100
+    # Not one token everywhere: the argmax changes along the sequence.
+    assert len(set(logits.argmax(dim=-1).tolist())) > 3

@@ -58,9 +58,16 @@ def check_against(mine: Tokenizer, oracle, strings: list[str]) -> None:  # type:
             assert mine.apply_chat_template(messages, add_generation_prompt=generation) == ids
 
 
+def import_oracle():  # type: ignore[no-untyped-def]
+    """transformers, in the torch-marked runs only: that is the setup it is checked in."""
+    pytest.importorskip("torch")
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_hf_directory_matches_transformers(tmp_path: Path, add_bos: bool) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = import_oracle()
     directory = write_tiny_checkpoint(tmp_path / "t", add_bos_token=add_bos, num_hidden_layers=1)
     mine = open_checkpoint(directory).tokenizer()
     oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
@@ -68,6 +75,21 @@ def test_hf_directory_matches_transformers(tmp_path: Path, add_bos: bool) -> Non
     check_against(mine, oracle, sample_strings(300))
     assert mine.eos_token_ids == (1, 3)
     assert mine.vocab_size == len(oracle)
+
+
+@pytest.mark.torch
+def test_bos_follows_the_post_processor_like_transformers(tmp_path: Path) -> None:
+    """add_bos_token in tokenizer_config.json alone adds nothing, in transformers either."""
+    import json
+
+    transformers = import_oracle()
+    directory = write_tiny_checkpoint(tmp_path / "t", num_hidden_layers=1)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                 "add_bos_token": True}))
+    oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
+    mine = Tokenizer.from_hf_dir(directory)
+    assert mine.encode("hello there") == oracle.encode("hello there")
 
 
 def test_gguf_tokenizer_equals_the_directory_it_came_from(tmp_path: Path) -> None:
@@ -83,9 +105,10 @@ def test_gguf_tokenizer_equals_the_directory_it_came_from(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_smollm2_matches_transformers(smollm2_gguf: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = import_oracle()
     pytest.importorskip("gguf")
     with open_checkpoint(smollm2_gguf) as ckpt:
         mine = ckpt.tokenizer()
@@ -95,6 +118,11 @@ def test_smollm2_matches_transformers(smollm2_gguf: Path) -> None:
     assert mine.bos_token_id == 1 and mine.eos_token_ids == (2,)
     assert mine.encode("Hello")[0] != mine.bos_token_id  # SmolLM2 adds no BOS
     assert mine.vocab_size == 49152
+    text = "naïve 日本語 😀🎉 👩‍👩‍👧 done"
+    ids = mine.encode(text)
+    decoder = IncrementalDecoder(mine)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     prompt = mine.chat_prompt([{"role": "user", "content": "Hi"}])
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert prompt.endswith("<|im_start|>assistant\n")
@@ -146,3 +174,32 @@ def test_chat_template_is_sandboxed(tiny_tokenizer: Tokenizer) -> None:
                      chat_template=None, special_tokens={}, source="here")
     with pytest.raises(ValueError, match="no chat template"):
         bare.chat_prompt([])
+
+
+def test_checkpoints_and_tokenizers_open_without_torch(tiny_checkpoint: Path,
+                                                       tmp_path: Path) -> None:
+    """The driver side (config, names, shapes, tokenizer) needs no torch."""
+    from tests.python_child import run_python
+
+    pytest.importorskip("gguf")
+    gguf_path = write_tiny_gguf(tmp_path / "t.gguf", tiny_checkpoint, qtype="F32")
+    child = f"""
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+
+sys.meta_path.insert(0, NoTorch())
+from mpexec.models.loader import open_checkpoint
+for path in ({str(tiny_checkpoint)!r}, {str(gguf_path)!r}):
+    with open_checkpoint(path) as ckpt:
+        print(ckpt.config.num_hidden_layers, len(ckpt.names()),
+              ckpt.tokenizer().encode("hello world"))
+assert "torch" not in sys.modules
+"""
+    done = run_python("-c", child)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1]

@@ -175,7 +175,10 @@ class WorkerProc:
                 call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
             except QueueClosedError:
                 raise
-            except Exception as exc:  # the call arrived but could not be unpickled
+            except Exception as exc:
+                # The transport raises only QueueClosedError (and TimeoutError,
+                # not here) for itself; anything else is the unpickling of a
+                # message it has already consumed.
                 last_call_id += 1
                 logger.warning("rank %d: call %d could not be unpickled: %s", rank,
                                last_call_id, exc)

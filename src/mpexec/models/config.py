@@ -20,6 +20,7 @@ kind is always under ``"rope_type"`` (``"linear"``, ``"dynamic"``,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 _ROPE_TYPES = {"linear", "dynamic", "llama3", "yarn"}
+MAX_LAYERS = 4096
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ class ModelConfig:
             raise CheckpointError(source, "model_type", f"{model_type!r} is not supported "
                                   f"(supported: {', '.join(sorted(_HF_MODEL_TYPES))})")
         architectures = raw.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(a, str)
+                                                          for a in architectures):
+            raise CheckpointError(source, "architectures",
+                                  f"expected a list of names, got {architectures!r}")
         unknown = [a for a in architectures if a not in _HF_ARCHITECTURES]
         if unknown:
             raise CheckpointError(source, "architectures", f"{unknown[0]!r} is not supported")
@@ -124,21 +130,22 @@ class ModelConfig:
 
         # transformers 5 writes rope_parameters; older files rope_theta + rope_scaling.
         rope_parameters = raw.get("rope_parameters")
+        rope_theta = field.get("rope_theta", float, default=10000.0)
         if isinstance(rope_parameters, Mapping):
-            rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope_theta = _FieldReader(rope_parameters, source).get(
+                "rope_theta", float, default=rope_theta)
             rope_scaling: Any = dict(rope_parameters)
             rope_scaling.pop("rope_theta", None)
         else:
-            rope_theta = float(raw.get("rope_theta", 10000.0))
             rope_scaling = raw.get("rope_scaling")
 
-        eos = _as_id_tuple(raw.get("eos_token_id"))
+        eos = _as_id_tuple(raw.get("eos_token_id"), source, "eos_token_id")
         if generation_config:
-            eos += tuple(i for i in _as_id_tuple(generation_config.get("eos_token_id"))
+            eos += tuple(i for i in _as_id_tuple(generation_config.get("eos_token_id"),
+                                                 source, "generation_config.eos_token_id")
                          if i not in eos)
-        bos = raw.get("bos_token_id")
-        if isinstance(bos, list):
-            bos = bos[0] if bos else None
+        bos_ids = _as_id_tuple(raw.get("bos_token_id"), source, "bos_token_id")
+        bos = bos_ids[0] if bos_ids else None
 
         return cls.validated(
             source,
@@ -151,7 +158,7 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim if head_dim is not None else hidden_size // max(num_heads, 1),
             rms_norm_eps=float(field.get("rms_norm_eps", float, default=1e-6)),
-            rope_theta=rope_theta,
+            rope_theta=float(rope_theta),
             rope_scaling=normalize_rope_scaling(rope_scaling, source, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -182,26 +189,27 @@ class ModelConfig:
         head_dim = hidden_size // max(num_heads, 1)
         for key in (f"{arch}.attention.key_length", f"{arch}.attention.value_length",
                     f"{arch}.rope.dimension_count"):
-            value = fields.get(key)
-            if value is not None and int(value) != head_dim:
+            value = field.get(key, int, default=None)
+            if value is not None and value != head_dim:
                 raise CheckpointError(source, key, f"{value} differs from the head size "
                                       f"{head_dim} (embedding_length / head_count)")
         max_pos = field.get(f"{arch}.context_length", int)
         tokens = fields.get("tokenizer.ggml.tokens")
-        vocab_size = fields.get(f"{arch}.vocab_size")
+        vocab_size = field.get(f"{arch}.vocab_size", int, default=None)
         if vocab_size is None:
-            if tokens is None:
+            if not isinstance(tokens, list):
                 raise CheckpointError(source, f"{arch}.vocab_size", "missing (and no tokenizer)")
             vocab_size = len(tokens)
-        eos = _as_id_tuple(fields.get("tokenizer.ggml.eos_token_id"))
-        eot = fields.get("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos:
-            eos += (int(eot),)
-        bos = fields.get("tokenizer.ggml.bos_token_id")
+        eos = _as_id_tuple(fields.get("tokenizer.ggml.eos_token_id"), source,
+                           "tokenizer.ggml.eos_token_id")
+        eos += tuple(i for i in _as_id_tuple(fields.get("tokenizer.ggml.eot_token_id"), source,
+                                             "tokenizer.ggml.eot_token_id") if i not in eos)
+        bos_ids = _as_id_tuple(fields.get("tokenizer.ggml.bos_token_id"), source,
+                               "tokenizer.ggml.bos_token_id")
         return cls.validated(
             source,
             architecture=arch,
-            vocab_size=int(vocab_size),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=field.get(f"{arch}.feed_forward_length", int),
             num_hidden_layers=field.get(f"{arch}.block_count", int),
@@ -209,12 +217,12 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(field.get(f"{arch}.attention.layer_norm_rms_epsilon", float)),
-            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=float(field.get(f"{arch}.rope.freq_base", float, default=10000.0)),
             rope_scaling=_gguf_rope_scaling(fields, arch, source, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=not has_output_tensor,
             attention_bias=arch == "qwen2",
-            bos_token_id=int(bos) if bos is not None else None,
+            bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,
             chat_template=fields.get("tokenizer.chat_template"),
         )
@@ -228,6 +236,9 @@ class ModelConfig:
                      "max_position_embeddings"):
             if values[name] <= 0:
                 raise CheckpointError(source, name, f"must be positive, got {values[name]}")
+        if values["num_hidden_layers"] > MAX_LAYERS:  # a damaged field, not a model
+            raise CheckpointError(source, "num_hidden_layers", f"{values['num_hidden_layers']}"
+                                  f" layers is beyond any real model (limit {MAX_LAYERS})")
         heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
         if heads % kv_heads:
             raise CheckpointError(source, "num_key_value_heads",
@@ -237,8 +248,10 @@ class ModelConfig:
                                   f"{heads} heads != hidden_size={values['hidden_size']}")
         if values["head_dim"] % 2:
             raise CheckpointError(source, "head_dim", "rotary embeddings need an even head size")
-        if values["rms_norm_eps"] <= 0 or values["rope_theta"] <= 0:
-            raise CheckpointError(source, "rms_norm_eps/rope_theta", "must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not (math.isfinite(values[name]) and values[name] > 0):
+                raise CheckpointError(source, name, f"must be a positive finite number, "
+                                      f"got {values[name]}")
         return cls(**values)
 
 
@@ -258,15 +271,13 @@ def normalize_rope_scaling(
     if kind not in _ROPE_TYPES:
         raise CheckpointError(source, "rope_scaling.rope_type", f"{kind!r} is not supported "
                               f"(supported: {', '.join(sorted(_ROPE_TYPES))})")
-    factor = out.get("factor")
-    if not isinstance(factor, (int, float)) or factor < 1.0:
+    out["factor"] = _positive(out, "factor", source)
+    if out["factor"] < 1.0:
         raise CheckpointError(source, "rope_scaling.factor",
-                              f"must be a number >= 1, got {factor!r}")
-    out["factor"] = float(factor)
+                              f"must be a number >= 1, got {out['factor']}")
     if kind == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if not isinstance(out.get(key), (int, float)):
-                raise CheckpointError(source, f"rope_scaling.{key}", "missing (llama3 needs it)")
+            out[key] = _positive(out, key, source, why="llama3 needs it")
         if out["low_freq_factor"] >= out["high_freq_factor"]:
             raise CheckpointError(source, "rope_scaling.low_freq_factor",
                                   "must be below high_freq_factor")
@@ -275,25 +286,43 @@ def normalize_rope_scaling(
                        int(max_position_embeddings / out["factor"]))
         out.setdefault("beta_fast", 32.0)
         out.setdefault("beta_slow", 1.0)
+        for key in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+            out[key] = _positive(out, key, source)
+        if "attention_factor" in out and out["attention_factor"] is not None:
+            out["attention_factor"] = _positive(out, "attention_factor", source)
         if out["beta_fast"] <= out["beta_slow"]:
             raise CheckpointError(source, "rope_scaling.beta_fast", "must exceed beta_slow")
     return {"rope_type": kind, **out}
 
 
+def _positive(scaling: Mapping[str, Any], key: str, source: str | Path,
+              why: str = "") -> Any:
+    value = scaling.get(key)
+    if value is None:
+        raise CheckpointError(source, f"rope_scaling.{key}", "missing" + (f" ({why})" if why
+                                                                          else ""))
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise CheckpointError(source, f"rope_scaling.{key}",
+                              f"must be a positive number, got {value!r}")
+    return value
+
+
 def _gguf_rope_scaling(
     fields: Mapping[str, Any], arch: str, source: str | Path, max_pos: int
 ) -> dict[str, Any] | None:
-    kind = fields.get(f"{arch}.rope.scaling.type")
-    factor = fields.get(f"{arch}.rope.scaling.factor")
+    field = _FieldReader(fields, source)
+    kind = field.get(f"{arch}.rope.scaling.type", str, default=None)
+    factor = field.get(f"{arch}.rope.scaling.factor", float, default=None)
     if kind in (None, "none"):
         if factor not in (None, 0.0, 1.0):
             raise CheckpointError(source, f"{arch}.rope.scaling.factor",
                                   "set without a scaling type")
         return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
-    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    original = field.get(f"{arch}.rope.scaling.original_context_length", int, default=None)
     if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
+        scaling["original_max_position_embeddings"] = original
     return normalize_rope_scaling(scaling, source, max_pos)
 
 
@@ -301,7 +330,11 @@ def _check_sliding_window(raw: Mapping[str, Any], source: str | Path, model_type
                           max_pos: int) -> None:
     window = raw.get("sliding_window")
     used = raw.get("use_sliding_window", model_type == "mistral")
-    if used and window is not None and int(window) < max_pos:
+    if not used or window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise CheckpointError(source, "sliding_window", f"expected an integer, got {window!r}")
+    if window < max_pos:
         raise CheckpointError(source, "sliding_window", f"a window of {window} tokens shorter "
                               f"than max_position_embeddings={max_pos} is not supported")
 
@@ -317,12 +350,14 @@ def _hf_chat_template(directory: Path, tokenizer_config: Mapping[str, Any] | Non
     return template if isinstance(template, str) else None
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+def _as_id_tuple(value: Any, source: str | Path, key: str) -> tuple[int, ...]:
+    """A token id or a list of them (None: none)."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(source, key, f"expected token ids, got {value!r}")
+    return tuple(values)
 
 
 def _read_json(path: Path, *, missing_ok: bool = False) -> dict[str, Any]:

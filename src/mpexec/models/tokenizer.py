@@ -5,8 +5,10 @@
     GGUF tokenizer.ggml.* metadata ─────────┘     (loader.gguf_tokenizer builds it)
 
     encode(text)                 plain text, special tokens kept whole; BOS only
-                                 when the checkpoint's post-processor (or its
-                                 add_bos_token) asks, as Hugging Face does
+                                 when the checkpoint's post-processor adds it
+                                 (tokenizer.json's, or for GGUF the one built
+                                 from tokenizer.ggml.add_bos_token), which is
+                                 what transformers follows too
     chat_prompt(messages)        the checkpoint's Jinja chat template, rendered in
                                  a sandbox with the variables transformers passes
     apply_chat_template(...)     chat_prompt encoded without adding specials (the
@@ -45,7 +47,6 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         chat_template: str | None,
         special_tokens: Mapping[str, str | None],
-        add_bos_token: bool | None = None,
         source: str | Path = "",
     ) -> None:
         self.backend = backend
@@ -53,7 +54,6 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)  # bos_token, eos_token, ... → text
-        self.add_bos_token = add_bos_token
         self.source = str(source)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._render: Callable[..., str] | None = None
@@ -75,7 +75,10 @@ class Tokenizer:
         settings_path = directory / "tokenizer_config.json"
         settings: dict[str, Any] = {}
         if settings_path.is_file():
-            settings = json.loads(settings_path.read_text(encoding="utf-8"))
+            try:
+                settings = json.loads(settings_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(settings_path, "json", f"not valid JSON ({e})") from None
         special = {key: _token_text(settings.get(key))
                    for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         if config is None:
@@ -92,7 +95,7 @@ class Tokenizer:
             eos_ids.append(eos_id)
         return cls(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
                    chat_template=config.chat_template, special_tokens=special,
-                   add_bos_token=settings.get("add_bos_token"), source=directory)
+                   source=directory)
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any], *, source: str | Path,
@@ -111,17 +114,12 @@ class Tokenizer:
                    "pad_token": text_of("padding_token_id")}
         return cls(backend, bos_token_id=config.bos_token_id,
                    eos_token_ids=config.eos_token_ids, chat_template=config.chat_template,
-                   special_tokens=special, add_bos_token=None, source=source)
+                   special_tokens=special, source=source)
 
     # ── text ⇄ ids ───────────────────────────────────────────────────────
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
-                and ids[:1] != [self.bos_token_id]):
-            # tokenizer_config asks for BOS but tokenizer.json's post-processor omits it.
-            ids.insert(0, self.bos_token_id)
-        return ids
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -98,6 +98,10 @@ class Checkpoint:
         if not 0 <= start <= stop <= shape[dim]:
             raise IndexError(f"{self.path}: {name}: slice [{start}:{stop}] outside "
                              f"0..{shape[dim]} along dim {dim}")
+        if start == stop:  # an empty share (more ranks than rows) reads nothing
+            empty = list(shape)
+            empty[dim] = 0
+            return torch.empty(empty, dtype=torch.float32 if dtype is None else dtype)
         tensor = self._read_slice(name, dim, start, stop)
         return tensor.to(torch.float32 if dtype is None else dtype)
 

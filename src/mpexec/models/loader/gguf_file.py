@@ -22,6 +22,7 @@ the shape the metadata implies.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,11 @@ class GGUFCheckpoint(Checkpoint):
         found = self._scan_tensors(path, header.tensors)
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
+        layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
+        if config.num_hidden_layers != len(layers):
+            raise CheckpointError(path, f"{config.architecture}.block_count",
+                                  f"{config.num_hidden_layers}, but the file has tensors "
+                                  f"for {len(layers)} layers")
         super().__init__(path, config)
         if config.architecture == "llama":  # the converter permutes llama's Q and K only
             for layer in range(config.num_hidden_layers):
@@ -120,11 +126,14 @@ class GGUFCheckpoint(Checkpoint):
                 raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} is not "
                                       "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
             shape = tuple(reversed(tensor.ne))
+            if not shape or min(shape) <= 0:
+                raise CheckpointError(path, tensor.name, f"dimensions {list(tensor.ne)} are "
+                                      "not a tensor")
             columns = shape[-1]
             if columns % encoding.block_elements:
                 raise CheckpointError(path, tensor.name, f"row of {columns} elements is not "
                                       f"whole {encoding.name} blocks")
-            rows = int(np.prod(shape[:-1], dtype=np.int64))
+            rows = math.prod(shape[:-1])
             info = _TensorInfo(tensor.name, encoding, tensor.offset, rows, columns)
             if info.offset + rows * info.row_bytes > file_size:
                 raise CheckpointError(path, tensor.name, f"tensor data runs past the end of the "

@@ -85,8 +85,18 @@ def build_backend(fields: Mapping[str, Any], source: str | Path) -> tokenizers.T
         if not set(token) <= spelled:  # a raw UTF-8 token: respell it in the byte alphabet
             token = "".join(alphabet[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    merges = []
+    for index, merge in enumerate(fields["tokenizer.ggml.merges"]):
+        pair = tuple(str(merge).split(" ", 1))
+        if len(pair) != 2:
+            raise CheckpointError(source, "tokenizer.ggml.merges",
+                                  f"entry {index} ({merge!r}) is not a pair")
+        merges.append(pair)
+    try:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge outside the vocab
+        raise CheckpointError(source, "tokenizer.ggml.merges", f"not a valid BPE with "
+                              f"tokenizer.ggml.tokens ({e})") from None
 
     split = SPLIT_REGEX.get(str(fields.get("tokenizer.ggml.pre")))
     if split is None:

@@ -6,15 +6,21 @@
       model-00001-of-00002.safetensors   (or any *.safetensors without an index)
       tokenizer.json, tokenizer_config.json ─► tokenizer()
 
-Each shard is opened once with ``safetensors.safe_open`` (memory-mapped) and a
-read goes through ``get_slice(name)[...]``, which copies only the requested
-rows or columns out of the mapping.  ``bytes_read`` adds the bytes of each
-slice returned, which is what a rank reading its tensor-parallel share costs.
+At open each shard's header (an 8-byte length, then JSON: name → dtype,
+shape, byte range) is read and checked against the file size and the config,
+without torch, so a truncated or mismatched shard fails at once with its
+name.  On its first read a shard is opened with ``safetensors.safe_open``
+(memory-mapped) and a read goes through ``get_slice(name)[...]``, which
+copies only the requested rows or columns out of the mapping.
+``bytes_read`` adds the bytes of each slice returned, which is what a rank
+reading its tensor-parallel share costs.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
     from mpexec.models.tokenizer import Tokenizer
 
 INDEX_NAME = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100 << 20
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
@@ -42,8 +49,6 @@ class HFCheckpoint(Checkpoint):
             raise
 
     def _open_shards(self) -> None:
-        from safetensors import SafetensorError, safe_open
-
         index_path = self.path / INDEX_NAME
         if index_path.is_file():
             try:
@@ -63,20 +68,12 @@ class HFCheckpoint(Checkpoint):
             shard = self.path / shard_name
             if not shard.is_file():
                 raise CheckpointError(shard, "file", f"missing (listed in {INDEX_NAME})")
-            try:
-                handle = safe_open(str(shard), framework="pt")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise CheckpointError(shard, "header", f"not a readable safetensors file ({e})"
-                                      ) from None
-            self._files[str(shard)] = handle
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            for name, (dtype, shape) in read_safetensors_header(shard).items():
                 if weight_map is not None and weight_map.get(name) != shard_name:
                     continue
-                tensor_slice = handle.get_slice(name)
-                dtype = tensor_slice.get_dtype()
                 if name in self._shapes and dtype not in _FLOAT_DTYPES:
                     raise CheckpointError(shard, name, f"dtype {dtype} is not a float type")
-                found[name] = tuple(tensor_slice.get_shape())
+                found[name] = shape
                 self._where[name] = shard
         if weight_map is not None:
             for name, shard_name in weight_map.items():
@@ -87,7 +84,7 @@ class HFCheckpoint(Checkpoint):
 
     def _read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         shard = self._where[name]
-        tensor_slice = self._files[str(shard)].get_slice(name)
+        tensor_slice = self._handle(shard).get_slice(name)
         index = tuple(slice(start, stop) if d == dim else slice(None)
                       for d in range(len(self.shape(name))))
         try:
@@ -97,6 +94,20 @@ class HFCheckpoint(Checkpoint):
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def _handle(self, shard: Path) -> Any:
+        """The shard's safe_open handle, opened on its first read (needs torch)."""
+        handle = self._files.get(str(shard))
+        if handle is None:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                handle = safe_open(str(shard), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(shard, "header", f"not a readable safetensors file ({e})"
+                                      ) from None
+            self._files[str(shard)] = handle
+        return handle
+
     def tokenizer(self) -> Tokenizer:
         from mpexec.models.tokenizer import Tokenizer
 
@@ -105,3 +116,45 @@ class HFCheckpoint(Checkpoint):
     def close(self) -> None:
         # safe_open handles unmap when dropped; dropping every reference is the close.
         self._files.clear()
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def read_safetensors_header(shard: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name → (dtype, shape) of one safetensors file, every byte range checked."""
+    size = shard.stat().st_size
+    with shard.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(shard, "header", "file shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(shard, "header", f"header length {length} does not fit the "
+                                  f"file ({size} bytes): truncated or not safetensors")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(shard, "header", f"not a safetensors JSON header ({e})"
+                                  ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(shard, "header", "not a safetensors JSON header")
+    data_bytes = size - 8 - length
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = str(entry["dtype"]), tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(shard, name, f"malformed header entry {entry!r}") from None
+        if end > data_bytes:
+            raise CheckpointError(shard, name, f"tensor data ends at byte {end} of a "
+                                  f"{data_bytes}-byte data section: the file is truncated")
+        if dtype in _ITEM_BYTES and end - begin != math.prod(shape) * _ITEM_BYTES[dtype]:
+            raise CheckpointError(shard, name, f"{end - begin} bytes for a {dtype} tensor "
+                                  f"of shape {shape}")
+        entries[name] = (dtype, shape)
+    return entries

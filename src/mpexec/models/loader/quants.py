@@ -46,8 +46,17 @@ ENCODINGS = {
 
 
 def dequantize(raw: Any, encoding: Encoding) -> np.ndarray:
-    """``raw``: uint8 array ``(rows, bytes per row)`` of whole blocks → float32 ``(rows, cols)``."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    """``raw``: uint8 array ``(rows, bytes per row)`` of whole blocks → float32 ``(rows, cols)``.
+
+    Scales that are inf or NaN in the file come out as inf/NaN values, silently:
+    the bytes are what they are, and numpy's floating-point warnings would only
+    turn a damaged weight into an exception in one place and not another.
+    """
+    with np.errstate(all="ignore"):
+        return _dequantize(np.ascontiguousarray(raw, dtype=np.uint8), encoding)
+
+
+def _dequantize(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
     rows = raw.shape[0]
     if encoding.name == "F32":
         return raw.view(np.float32).reshape(rows, -1).copy()
