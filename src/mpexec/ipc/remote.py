@@ -150,6 +150,8 @@ class RemoteWriter(MessageQueue):
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A reader that reconnects (same routing id) takes its pipe back.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -249,6 +251,8 @@ class RemoteWriter(MessageQueue):
         if known is not None:
             if known != identity:
                 self.drops.drop("second reader for a rank")
+            elif self._ready and opened.seq == self._nonce[rank]:
+                self._welcome(rank)  # its HELLO is repeated: our WELCOME was lost
             return
         self._identity[rank] = identity
         self._nonce[rank] = opened.seq

@@ -39,6 +39,8 @@ from mpexec.ipc.remote import (
     zmq_module,
 )
 
+_HELLO_REPEAT_S = 1.0
+
 
 class RemoteReader(MessageQueue):
     """A reader end on another host (see the module docstring)."""
@@ -88,6 +90,9 @@ class RemoteReader(MessageQueue):
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # A fixed routing id: should the connection drop and come back, the
+        # writer still knows this reader (ZeroMQ would otherwise pick a new one).
+        sock.setsockopt(zmq.ROUTING_ID, b"r%d-%x" % (rank, self._nonce))
         if max_message_bytes < 2**63:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if ":" in (handle.connect_ip or ""):
@@ -109,7 +114,17 @@ class RemoteReader(MessageQueue):
         self._busy = True
         try:
             while not self._welcomed:
-                self._receive(deadline, "wait_until_ready (writer's WELCOME)")
+                # HELLO again every second until the WELCOME comes: either may
+                # have been lost with a connection that dropped.
+                step = time.monotonic() + _HELLO_REPEAT_S
+                part = step if deadline is None else min(step, deadline)
+                try:
+                    self._receive(part, "wait_until_ready (writer's WELCOME)")
+                except TimeoutError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+                    self._sock.send_multipart(self._out.seal(HELLO, self.rank, self._nonce,
+                                                             []))
         finally:
             self._busy = False
 
