@@ -43,11 +43,12 @@ class Attention:
                  cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        cos, sin = rope
-        q = self.rotary.apply(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = self.rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        # q and k sit side by side in qkv: one rotation covers both
+        qk = qkv[:, :self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.rotary.apply(qk, *rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
