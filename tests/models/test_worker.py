@@ -106,12 +106,15 @@ def test_seeded_sampling_ignores_the_batch(tiny_checkpoint: Path) -> None:
         driver = StepDriver(executor, first_block=64)
         alone = {rid: driver.generate({rid: request})[rid] for rid, request in requests.items()}
         unseeded = StepDriver(executor, first_block=32).generate(
-            {"x": (prompts()["r0"], SamplingParams(temperature=1.0, max_tokens=8))})
+            {rid: (prompts()["r0"], SamplingParams(temperature=1.0, max_tokens=8))
+             for rid in ("x", "y")})
     for rid in requests:
         assert together[rid].output == alone[rid].output
         assert together[rid].logprobs == pytest.approx(alone[rid].logprobs, abs=1e-5)
         assert len(together[rid].logprobs) == 8
-    assert len(unseeded["x"].output) == 8  # seed None: the worker's seed
+    # seed None: the worker's seed mixed with the request id, so two requests
+    # with the same prompt do not draw the same tokens
+    assert len(unseeded["x"].output) == 8 and unseeded["x"].output != unseeded["y"].output
 
 
 def test_grammar_bitmask_limits_the_tokens(tiny_checkpoint: Path) -> None:
