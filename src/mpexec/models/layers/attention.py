@@ -65,7 +65,8 @@ class Attention:
                 if span.context_slots is None:
                     keys, values = k[span.start:span.stop], v[span.start:span.stop]
                 else:
-                    keys, values = k_cache[span.context_slots], v_cache[span.context_slots]
+                    keys = torch.index_select(k_cache, 0, span.context_slots)
+                    values = torch.index_select(v_cache, 0, span.context_slots)
                 out[span.start:span.stop] = self._prefill(rows_q, keys, values, span.mask)
         return self.o_proj(out)
 
@@ -75,8 +76,12 @@ class Attention:
         count = q.shape[0]
         # [B, L, kv, d] -> [B, kv, L, d]; the group of query heads of one KV
         # head plays the part of the query length.
-        keys = k_cache[batch.decode_slots].transpose(1, 2)
-        values = v_cache[batch.decode_slots].transpose(1, 2)
+        # index_select over flat slots: several times faster than advanced
+        # indexing with a 2-D index on the CPU
+        flat = batch.decode_slots.view(-1)
+        shape = (count, batch.decode_slots.shape[1], self.num_kv_heads, self.head_dim)
+        keys = torch.index_select(k_cache, 0, flat).view(shape).transpose(1, 2)
+        values = torch.index_select(v_cache, 0, flat).view(shape).transpose(1, 2)
         queries = q.view(count, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
         return out.reshape(count, self.q_size)
