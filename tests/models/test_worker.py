@@ -186,5 +186,10 @@ def test_bad_steps_and_configs_are_named(tiny_checkpoint: Path) -> None:
             executor.execute_model(SchedulerOutput(
                 scheduled_new_reqs=[too_far], scheduled_tokens={"big": [1, 2, 3, 4, 5]},
                 num_computed_tokens={"big": 0}))
+        outside = NewRequestData("odd", [1, 389], GREEDY, [0])
+        with pytest.raises(WorkerError, match=r"token id 389 is outside the vocabulary \[0, 389\)"):
+            executor.execute_model(SchedulerOutput(
+                scheduled_new_reqs=[outside], scheduled_tokens={"odd": [1, 389]},
+                num_computed_tokens={"odd": 0}))
     with pytest.raises(Exception, match="dtype must be"):
         make_executor(tiny_checkpoint, backend="uni", dtype="int8")
