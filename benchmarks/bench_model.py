@@ -222,6 +222,11 @@ def stream_bandwidth(threads: int) -> float:
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 
 
+def progress(row: list[Any]) -> None:
+    """One measured row on stderr as soon as it exists (a long run keeps what it has)."""
+    print("measured:", " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
@@ -249,6 +254,7 @@ def main() -> None:
         rows.append([f"transformers {dtype}", f"{ref['b1']:.1f}", f"{ref['b16']:.1f}",
                      f"{ref['prefill']:.0f}", "1.00x",
                      f"{bytes_per_token * ref['b1'] / 1e9:.2f}", "-"])
+        progress(rows[-1])
         for layout in layouts:
             tp, pp = LAYOUTS[layout]
             ours = OurModel(model, tp, pp, dtype, args.threads)
@@ -267,6 +273,7 @@ def main() -> None:
                          f"{100 * share1:.2f}% / {100 * share16:.2f}%"])
             extras.append([f"{layout} {dtype}", " ".join(f"{r / 2**20:.0f}" for r in rss),
                            " ".join(f"{w / 2**20:.0f}" for w in weights)])
+            progress(rows[-1] + extras[-1][1:])
     print(render(f"SmolLM2-135M decode/prefill, {args.threads} intra-op thread(s) per process "
                  f"(streaming read: {bandwidth[1] / 1e9:.1f} GB/s on 1 thread, "
                  f"{bandwidth[2] / 1e9:.1f} GB/s on 2)",
