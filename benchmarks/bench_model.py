@@ -67,7 +67,9 @@ def worker_weight_bytes(wrapper: Any) -> int:
         if isinstance(obj, torch.Tensor):
             seen[obj.data_ptr()] = obj.numel() * obj.element_size()
         elif depth < 4 and hasattr(obj, "__dict__"):
-            for value in vars(obj).values():
+            for name, value in vars(obj).items():
+                if name == "group":
+                    continue  # a process group's buffers are not weights
                 if isinstance(value, list):
                     for item in value:
                         visit(item, depth + 1)

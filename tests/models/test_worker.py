@@ -62,10 +62,12 @@ def test_tp1_reproduces_transformers(tiny_checkpoint: Path, reference_run: Any) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(("tp", "pp", "partition"), [
+    (2, 1, None), (3, 1, None), (1, 2, [1, 3]), (2, 2, None)])
 def test_parallel_layouts_reproduce_tp1(tiny_checkpoint: Path, reference_run: Any, tp: int,
-                                        pp: int, leak_check: None) -> None:
-    with make_executor(tiny_checkpoint, tp=tp, pp=pp) as executor:
+                                        pp: int, partition: list[int] | None,
+                                        leak_check: None) -> None:
+    with make_executor(tiny_checkpoint, tp=tp, pp=pp, pp_layer_partition=partition) as executor:
         # placeholders only where the protocol allows them (PP == 1)
         runs = StepDriver(executor, fetch_logits=True, placeholders=pp == 1,
                           chunk=6).generate(greedy_requests())
