@@ -8,7 +8,8 @@ worker process per rank with ``--threads`` intra-op threads each) and for
 transformers (``generate`` on the same GGUF, same dtype, same threads, in
 this process), in the same run:
 
-- decode tokens/s at batch 1 and 16 (64-token prompts; the median step);
+- decode tokens/s at batch 1 and 16 (64-token prompts; the median step: for
+  transformers, between consecutive calls of a logits processor in generate);
 - prefill tokens/s of one 512-token prompt;
 - weight bytes read per second in batch-1 decode (every weight of a rank is
   read once per step) beside a streaming-read bandwidth (``sum`` over 512 MiB,
@@ -24,6 +25,7 @@ Numbers depend on the machine and its load; compare within one run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -187,23 +189,35 @@ class Reference:
     def to(self, dtype: str) -> None:
         self.model.to(getattr(torch, dtype))
 
-    def _generate(self, batch: int, length: int, new: int) -> float:
+    def _generate(self, batch: int, length: int, new: int) -> list[float]:
+        """Run generate; the times at which each step's logits were ready
+        (a logits processor is called once per step), from the start."""
+        import transformers
+
+        stamps: list[float] = []
+
+        class Clock(transformers.LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                stamps.append(time.perf_counter())
+                return scores
+
         ids = torch.tensor([[(13 * i + 3 * j) % 40000 + 100 for j in range(length)]
                             for i in range(batch)])
         started = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                min_new_tokens=new, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - started
+                                min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                logits_processor=transformers.LogitsProcessorList([Clock()]))
+        return [stamp - started for stamp in stamps]
 
     def decode_rate(self, batch: int, steps: int) -> float:
-        self._generate(batch, PROMPT, 2)  # warm-up
-        first = percentile([self._generate(batch, PROMPT, 1) for _ in range(3)], 50)
-        full = self._generate(batch, PROMPT, steps + 1)
-        return batch * steps / max(full - first, 1e-9)
+        """Tokens/s over the median decode step of generate (steps after the first)."""
+        stamps = self._generate(batch, PROMPT, steps + 1)
+        steps_s = [b - a for a, b in itertools.pairwise(stamps)]
+        return batch / percentile(steps_s, 50)
 
     def prefill_rate(self) -> float:
-        return PREFILL / percentile([self._generate(1, PREFILL, 1) for _ in range(3)], 50)
+        return PREFILL / percentile([self._generate(1, PREFILL, 1)[0] for _ in range(3)], 50)
 
 
 def stream_bandwidth(threads: int) -> float:
