@@ -69,7 +69,8 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
                seed=getattr(args, "seed", 0),
                async_scheduling=getattr(args, "async_scheduling", False),
-               max_model_len=getattr(args, "max_model_len", None), log_level=args.log_level)
+               max_model_len=getattr(args, "max_model_len", None),
+               max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level)
 
 
 def run(args: argparse.Namespace, out: TextIO,
