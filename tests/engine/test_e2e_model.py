@@ -152,3 +152,15 @@ def test_cli_worker_killed_exits_nonzero(tiny: Path) -> None:
     result = run_python("-c", code, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "a worker died" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_readme_python_example_runs(tiny: Path, tmp_path: Path) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+                 if "from mpexec import LLM" in b)
+    script = tmp_path / "use_llm.py"
+    script.write_text(block.replace('LLM("default"', f'LLM({str(tiny)!r}'))
+    result = run_python(str(script), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
