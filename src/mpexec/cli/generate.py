@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="executor: worker processes (mp) or in this process (uni)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule step N+1 while step N runs")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
