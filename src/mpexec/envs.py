@@ -26,6 +26,9 @@ MPEXEC_LOGGING_LEVEL                     INFO       level of mpexec's loggers
 MPEXEC_TRACE                             0          OpenTelemetry spans around
                                                     start-up and calls (when
                                                     opentelemetry is installed)
+MPEXEC_RAY_ADDRESS                       (unset)    the Ray cluster the "ray"
+                                                    backend joins (unset: it
+                                                    starts a local one)
 =======================================  =========  ==========================
 """
 
@@ -56,6 +59,7 @@ class Envs:
     mq_spin_s: float = 0.001
     logging_level: str = "INFO"
     trace: bool = False
+    ray_address: str | None = None
 
 
 def _parse_bool(text: str) -> bool:
@@ -103,6 +107,10 @@ def _parse_method(text: str) -> str:
     return method
 
 
+def _parse_address(text: str) -> str | None:
+    return text.strip() or None
+
+
 def _parse_positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -148,4 +156,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         mq_spin_s=_read(env, "MPEXEC_MQ_SPIN_SECONDS", _parse_spin_seconds, d.mq_spin_s),
         logging_level=_read(env, "MPEXEC_LOGGING_LEVEL", _parse_level, d.logging_level),
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
+        ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
     )
