@@ -173,3 +173,30 @@ def test_unsatisfiable_placement_group_names_the_missing_cpus(made: list[RayExec
     with pytest.raises(WorkerStartupError, match=r"within 1s.*CPU 3 needed, 2 in the cluster"):
         start(made, "shm", tp=3, ray_placement_timeout_s=1.0)
     assert live_groups() == []
+
+
+@pytest.mark.torch
+def test_model_worker_at_tp2_gives_the_tokens_of_mp(made: list[RayExecutor],
+                                                    tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from tests.models.model_run_driver import StepDriver, make_executor
+
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.outputs import SamplingParams
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+    g = torch.Generator().manual_seed(11)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    requests = {f"r{i}": (torch.randint(4, 389, (5 + 4 * i,), generator=g).tolist(), greedy)
+                for i in range(2)}
+    runs = {}
+    for backend in ("mp", "ray"):
+        with make_executor(checkpoint, tp=2, backend=backend) as executor:
+            if backend == "ray":
+                assert isinstance(executor, RayExecutor)
+            runs[backend] = StepDriver(executor).generate(requests)
+    assert {rid: run.output for rid, run in runs["ray"].items()} == {
+        rid: run.output for rid, run in runs["mp"].items()}
+    assert all(len(run.output) == 8 for run in runs["ray"].values())
