@@ -308,8 +308,15 @@ def main() -> None:
                         help="alternating raw/rpc passes for 1")
     parser.add_argument("--placements", default="free,apart",
                         help="CPU placements for 1: free (the scheduler's), apart (pinned)")
+    parser.add_argument("--ray", action="store_true",
+                        help="only the Ray executor's figures (benchmarks/bench_ray.py)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.ray:
+        import bench_ray
+
+        bench_ray.run()
+        return
     print(f"mpexec executor benchmark: {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     bench_round_trip(args.iters, args.passes, args.placements.split(","))
     bench_pipelined(args.pipelined)
