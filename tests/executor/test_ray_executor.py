@@ -200,3 +200,28 @@ def test_model_worker_at_tp2_gives_the_tokens_of_mp(made: list[RayExecutor],
     assert {rid: run.output for rid, run in runs["ray"].items()} == {
         rid: run.output for rid, run in runs["mp"].items()}
     assert all(len(run.output) == 8 for run in runs["ray"].values())
+
+
+@pytest.mark.slow
+def test_an_executor_without_ray_starts_and_stops_its_own() -> None:
+    """In a fresh interpreter (this one runs the module's Ray): after shutdown()
+    the Ray the executor started is stopped and its processes are gone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, time, ray
+        from tests.executor.conftest import make_config
+        from mpexec.executor import Executor
+        cfg = make_config(2, executor_backend="ray", device_type="cpu", startup_timeout_s=120.0)
+        ex = Executor.get_class(cfg)(cfg)
+        assert ex.session.started and ex.collective_rpc("echo", args=(5,)) == [5, 5]
+        ex.shutdown()
+        assert not ray.is_initialized()
+        print("ok", os.getpid())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=170, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "ok"  # its Ray processes: the module teardown checks
