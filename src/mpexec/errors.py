@@ -32,6 +32,14 @@ class QueueClosedError(MpexecError, RuntimeError):
     """The queue was shut down; nothing more can be sent or received on it."""
 
 
+class UndecodableMessageError(MpexecError, ValueError):
+    """A queue reader consumed a message but could not unpickle it.
+
+    The message is gone from the ring and the queue stays usable; the
+    unpickling error is the ``__cause__``.
+    """
+
+
 class PeerDiedError(QueueClosedError):
     """The writer (seen from a reader) or a reader (seen from the writer) died.
 

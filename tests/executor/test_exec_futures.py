@@ -48,7 +48,7 @@ class FakeReader:
         self.pending.setdefault(rank, deque()).appendleft((0.0, reply))
 
 
-def values(replies: dict[int, Reply]) -> list[Any]:
+def values(method: str, replies: dict[int, Reply]) -> list[Any]:
     return [replies[r][2] for r in sorted(replies)]
 
 
@@ -133,7 +133,7 @@ def test_later_call_times_out_at_its_own_deadline_behind_a_slow_one() -> None:
 def test_worker_failure_payload_goes_through_finish() -> None:
     calls = Calls()
 
-    def finish(replies: dict[int, Reply]) -> Any:
+    def finish(method: str, replies: dict[int, Reply]) -> Any:
         _, ok, payload = replies[0]
         if not ok:
             raise RuntimeError(payload)
@@ -215,7 +215,7 @@ def test_no_reply_at_the_deadline_fails_without_waiting_past_it() -> None:
 
 def test_an_undecodable_reply_fails_only_its_call() -> None:
     calls = Calls()
-    first = calls.call(finish=lambda replies: decode_replies("call1", False, replies, id))
+    first = calls.call(finish=lambda method, replies: decode_replies(method, replies, False, id))
     second = calls.call()
     original = calls.reader.read_reply
 

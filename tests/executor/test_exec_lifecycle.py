@@ -330,3 +330,52 @@ def test_step_methods_have_a_deadline() -> None:
             ex.execute_dummy_batch()
         with pytest.raises(TimeoutError, match="take_draft_token_ids"):
             ex.take_draft_token_ids()  # the worker is still in the dummy batch
+
+
+def test_an_executor_dropped_without_shutdown_is_collected_and_ends_its_workers() -> None:
+    import gc
+    import weakref
+
+    ex = MultiprocExecutor(make_config(tp=2))
+    ex.collective_rpc("echo", args=(1,), non_block=True).result(timeout=WAIT_S)
+    assert ex.collective_rpc("echo", args=(2,)) == [2, 2]
+    pids = [w.pid for w in ex.workers]
+    ref = weakref.ref(ex)
+    del ex
+    gc.collect()
+    assert ref() is None  # nothing (monitor, pump, router) keeps it alive
+    assert _wait_gone(pids)
+
+
+def test_a_death_under_back_pressure_is_a_worker_died_error() -> None:
+    """The broadcast ring is full (both workers busy, two chunks) when rank 1
+    dies: the caller blocked in enqueue gets WorkerDiedError, not a queue error."""
+    with MultiprocExecutor(make_config(tp=2, mq_max_chunks=2)) as ex:
+        victim = ex.workers[1].pid
+        busy = [ex.collective_rpc("sleep", args=(60.0,), non_block=True) for _ in range(3)]
+        threading.Timer(0.3, os.kill, args=(victim, signal.SIGKILL)).start()
+        with pytest.raises(WorkerDiedError, match="rank 1") as info:
+            for _ in range(10):  # blocks once the ring is full
+                ex.collective_rpc("echo", args=(1,), non_block=True)
+        assert info.value.pid == victim
+        for future in busy:
+            with pytest.raises(WorkerDiedError):
+                future.result(timeout=WAIT_S)
+
+
+def test_shutdown_from_the_failure_callback() -> None:
+    ex = MultiprocExecutor(make_config(tp=2))
+    done = threading.Event()
+
+    def on_failure() -> None:
+        ex.shutdown()  # on the monitor thread, before its own teardown
+        done.set()
+
+    ex.register_failure_callback(on_failure)
+    pids = [w.pid for w in ex.workers]
+    os.kill(pids[0], signal.SIGKILL)
+    assert done.wait(WAIT_S)
+    assert _wait_gone(pids)
+    with pytest.raises(WorkerDiedError):
+        ex.collective_rpc("echo", args=(1,))
+    ex.shutdown()

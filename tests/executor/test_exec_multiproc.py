@@ -117,3 +117,25 @@ def test_queues_that_sleep_at_once_still_answer_every_call() -> None:
         assert all(mq._spin_s == 0.0 for mq in ex.response_mqs)
         for i in range(200):
             assert ex.collective_rpc("echo", args=(i,)) == [i, i]
+
+
+class _CountsPickling:
+    """Counts how often the driver pickles it (a class attribute: driver side only)."""
+
+    dumps = 0
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        _CountsPickling.dumps += 1
+        return (int, ())
+
+
+def test_a_call_is_pickled_once_under_back_pressure() -> None:
+    # One ring slot, every worker asleep: the next call waits for space while
+    # the driver retries its enqueue; the retries must send the same bytes.
+    with MultiprocExecutor(make_config(tp=2, mq_max_chunks=1)) as ex:
+        sleeping = [ex.collective_rpc("sleep", args=(0.3,), non_block=True) for _ in range(3)]
+        _CountsPickling.dumps = 0
+        assert ex.collective_rpc("echo", args=(_CountsPickling(),), timeout=30) == [0, 0]
+        assert _CountsPickling.dumps == 1
+        for future in sleeping:
+            future.result(timeout=30)

@@ -95,6 +95,34 @@ def test_unpicklable_raises_at_enqueue_and_queue_stays_usable(
     assert reader.dequeue(timeout=5) == "good"
 
 
+class _FailsToUnpickle:
+    """Pickles fine; unpickling raises (as a class missing in the reader would)."""
+
+    def __init__(self, payload: bytes = b"") -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> tuple[object, tuple[bytes]]:
+        return (_refuse, (self.payload,))
+
+
+def _refuse(payload: bytes) -> None:
+    raise LookupError("no such class here")
+
+
+@pytest.mark.parametrize("size", [10, 2 << 20])  # in the chunk, and through a bulk segment
+def test_a_message_that_fails_to_unpickle_is_its_own_error_and_the_queue_goes_on(
+        pair: tuple[MessageQueue, MessageQueue], size: int) -> None:
+    from mpexec.errors import UndecodableMessageError
+
+    writer, reader = pair
+    writer.enqueue(("call", _FailsToUnpickle(bytes(size))))
+    with pytest.raises(UndecodableMessageError, match="could not be unpickled") as info:
+        reader.dequeue(timeout=5)
+    assert isinstance(info.value.__cause__, LookupError)
+    writer.enqueue("next")
+    assert reader.dequeue(timeout=5) == "next"
+
+
 def test_dequeue_timeout_raises_at_the_deadline(pair: tuple[MessageQueue, MessageQueue]) -> None:
     _, reader = pair
     start = time.monotonic()

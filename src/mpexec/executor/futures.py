@@ -37,6 +37,7 @@ the lock is released, so a callback may call the executor again.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -48,6 +49,7 @@ from typing import Any, Protocol
 
 from mpexec.errors import WorkerError
 from mpexec.executor.protocol import Reply, qualified_type_name
+from mpexec.executor.stats import CallStats
 
 
 class UndecodableReply(Exception):
@@ -69,31 +71,39 @@ class ReplyReader(Protocol):
         """Put ``reply`` back so that the next ``read_reply(rank)`` returns it."""
 
 
+# How a call's replies become its value: ``finish(method, replies)``.
+Finish = Callable[[str, dict[int, Reply]], Any]
+
+
+def _finished(method: str, replies: dict[int, Reply]) -> Any:
+    raise RuntimeError(f"{method}: this call is already resolved")
+
+
 def _earliest(*deadlines: float | None) -> float | None:
     present = [d for d in deadlines if d is not None]
     return min(present) if present else None
 
 
 class PendingCall:
-    """One broadcast call until its outcome is known."""
+    """One broadcast call until its outcome is known (created on every call's path)."""
 
-    __slots__ = ("call_id", "method", "timeout", "deadline", "missing", "replies", "finish",
-                 "done", "value", "error", "future")
+    __slots__ = ("call_id", "method", "missing", "replies", "deadline", "timeout", "finish",
+                 "started", "done", "value", "error", "future")
 
     def __init__(self, call_id: int, method: str, ranks: Sequence[int], deadline: float | None,
-                 finish: Callable[[dict[int, Reply]], Any], timeout: float | None = None,
-                 future: FutureWrapper | None = None) -> None:
+                 finish: Finish, timeout: float | None = None, started: float = 0.0) -> None:
         self.call_id = call_id
         self.method = method
-        self.timeout = timeout
-        self.deadline = deadline
         self.missing = list(ranks)
         self.replies: dict[int, Reply] = {}
+        self.deadline = deadline
+        self.timeout = timeout
         self.finish = finish
+        self.started = started
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
-        self.future = future
+        self.future: FutureWrapper | None = None
 
     def outcome(self) -> Any:
         if self.error is not None:
@@ -141,27 +151,43 @@ def settle(call: PendingCall) -> None:
 
 
 class CallOrder:
-    """The pending calls of one executor, oldest first; see the module docstring."""
+    """The pending calls of one executor, oldest first; see the module docstring.
+
+    Who touches what: callers append (under the executor's broadcast lock);
+    only the holder of ``lock`` removes, and only from the left, once the
+    oldest call is resolved; ``resolve`` and ``fail_all`` only mark calls.
+    So the deque needs no lock of its own, and a blocking call costs no more
+    than its reads.  A future's outcome is set under ``_mutex`` (its count
+    and its completion must happen once); a blocking call's outcome may race
+    only with ``fail_all``, and then the error wins (``outcome``).
+    """
 
     def __init__(self, reader: ReplyReader, clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.Lock()   # whoever holds it reads replies
+        # Where a resolved future's latency is recorded (the executor's stats);
+        # held here, not as a callback into the executor, so nothing here
+        # keeps the executor alive.
+        self.stats: CallStats | None = None
         self.clock = clock
         self._reader = reader
-        self._pending: deque[PendingCall] = deque()
-        self._mutex = threading.Lock()  # the deque and every call's outcome
+        # Callers append here (under the executor's broadcast lock).
+        self.pending: deque[PendingCall] = deque()
+        self._mutex = threading.Lock()  # futures: their outcome, count and settling
         self._futures_pending = 0
         self._settle_later: list[PendingCall] = []
         self.pump: ReplyPump | None = None
 
     def __len__(self) -> int:
-        return len(self._pending)
+        """Calls not resolved yet."""
+        return sum(not call.done for call in list(self.pending))
 
     def add(self, call: PendingCall) -> None:
+        self.pending.append(call)
+        if call.future is None:
+            return
         with self._mutex:
-            self._pending.append(call)
-            if call.future is not None:
-                self._futures_pending += 1
-        if call.future is not None and self.pump is not None:
+            self._futures_pending += 1
+        if self.pump is not None:
             self.pump.wake()
 
     @property
@@ -169,69 +195,87 @@ class CallOrder:
         return self._futures_pending
 
     def newest_future(self) -> PendingCall | None:
-        with self._mutex:
-            for call in reversed(self._pending):
-                if call.future is not None:
-                    return call
+        for call in reversed(list(self.pending)):
+            if call.future is not None and not call.done:
+                return call
         return None
 
     # -- outcomes ------------------------------------------------------------------
 
     def resolve(self, call: PendingCall, value: Any = None,
                 error: BaseException | None = None) -> bool:
-        """Set ``call``'s outcome once and take it out of the order."""
-        with self._mutex:
-            if call.done:
-                return False
-            call.value, call.error, call.done = value, error, True
-            call.replies = {}
-            pending = self._pending
-            if pending and pending[0] is call:
-                pending.popleft()
-            else:
-                with suppress(ValueError):
-                    pending.remove(call)
-            if call.future is not None:
+        """Set ``call``'s outcome once (the lock holder then drops it from the order)."""
+        if call.future is not None:
+            with self._mutex:
+                if call.done:
+                    return False
+                call.value, call.error, call.done, call.finish = value, error, True, _finished
                 self._futures_pending -= 1
                 self._settle_later.append(call)
+            return True
+        if call.done:
+            return False
+        # _finished: drop the executor the finish function may refer to
+        call.value, call.error, call.done, call.finish = value, error, True, _finished
         return True
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> None:
         """Fail every pending call, each with its own error; safe from any thread."""
-        with self._mutex:
-            calls = list(self._pending)
-        for call in calls:
-            self.resolve(call, error=make_error())
+        for call in list(self.pending):
+            if not call.done:
+                self.resolve(call, error=make_error())
         self._settle_all()
 
     def _settle_all(self) -> None:
         with self._mutex:
             calls, self._settle_later = self._settle_later, []
+        stats = self.stats
         for call in calls:
             settle(call)
+            if stats is not None:
+                stats.record(call.method, self.clock() - call.started, call.error is None)
 
-    # -- progress --------------------------------------------------------------------
+    # -- progress (with ``lock`` held) ----------------------------------------------------
+
+    def resolve_own(self, call: PendingCall) -> None:
+        """A blocking caller's fast step: ``call`` is the oldest and the caller
+        holds ``lock``; read its replies now (the same ``_collect`` as always)."""
+        try:
+            self._collect(call, call.deadline)
+        except TimeoutError:
+            self._expire(call)
+        except Exception as exc:  # the reader failed (e.g. a worker died)
+            self.resolve(call, error=exc)
+        pending = self.pending
+        if pending and pending[0] is call:
+            pending.popleft()
 
     def wait(self, call: PendingCall, wait_deadline: float | None = None) -> None:
         """Make progress until ``call`` is resolved (or ``wait_deadline`` passes)."""
         lock = self.lock
+        pending = self.pending
         while not call.done:
             if wait_deadline is None:
                 lock.acquire()
             elif not lock.acquire(timeout=max(0.0, wait_deadline - self.clock())):
                 raise TimeoutError(f"result() of {call.method} (call {call.call_id}) timed out")
             try:
-                self._step(call, wait_deadline)
+                if wait_deadline is None and pending and pending[0] is call:
+                    self.resolve_own(call)
+                else:
+                    self._step(call, wait_deadline)
             finally:
                 lock.release()
                 if self._settle_later:
                     self._settle_all()
 
     def _step(self, call: PendingCall, wait_deadline: float | None) -> None:
-        """One step towards ``call`` being resolved, with ``lock`` held."""
+        """One step towards ``call`` being resolved."""
+        pending = self.pending
+        while pending and pending[0].done:
+            pending.popleft()
         if call.done:
             return
-        pending = self._pending
         if not pending:
             self.resolve(call, error=RuntimeError(
                 f"{call.method} (call {call.call_id}) lost its place"))
@@ -254,33 +298,42 @@ class CallOrder:
                     f"result() of {call.method} (call {call.call_id}) timed out") from None
         except Exception as exc:  # the reader failed (e.g. a worker died)
             self.resolve(oldest, error=exc)
+        while pending and pending[0].done:
+            pending.popleft()
 
     def _collect(self, call: PendingCall, limit: float | None) -> None:
-        """Read this (oldest) call's missing replies; resolve it when complete."""
+        """Read this (oldest) call's missing replies; resolve it when complete.
+
+        On every call's path: locals over attribute lookups on purpose.
+        """
         missing = call.missing
+        replies = call.replies
         read = self._reader.read_reply
+        call_id = call.call_id
         while missing:
             rank = missing[0]
-            timeout = None if limit is None else max(0.0, limit - self.clock())
             try:
-                reply = read(rank, timeout)
+                reply = read(rank, None if limit is None else max(0.0, limit - self.clock()))
             except UndecodableReply as exc:
                 # Still this call's reply (it was consumed): keep reading the
                 # other ranks' so that none is left to be taken for the next call.
-                reply = (call.call_id, False, _undecodable_error(call.method, exc))
-            if reply[0] < call.call_id:
-                continue  # answers a call that already timed out
-            if reply[0] > call.call_id:
+                reply = (call_id, False, _undecodable_error(call.method, exc))
+            if reply[0] != call_id:
+                if reply[0] < call_id:
+                    continue  # answers a call that already timed out
                 self._reader.unread_reply(rank, reply)
                 raise RuntimeError(
-                    f"rank {rank} answered call {reply[0]} before call {call.call_id} "
-                    f"({call.method}); its reply to call {call.call_id} is missing")
-            call.replies[rank] = reply
+                    f"rank {rank} answered call {reply[0]} before call {call_id} "
+                    f"({call.method}); its reply to call {call_id} is missing")
+            replies[rank] = reply
             del missing[0]
         try:
-            value = call.finish(call.replies)
+            value = call.finish(call.method, replies)
         except Exception as exc:
             self.resolve(call, error=exc)
+            return
+        if call.future is None and not call.done:  # resolve(), inlined: every call's path
+            call.value, call.done, call.finish = value, True, _finished
         else:
             self.resolve(call, value)
 
@@ -298,6 +351,9 @@ def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:
         remote_traceback="".join(traceback.format_exception(cause)))
     error.__cause__ = cause
     return error
+
+
+_LINGER_S = 0.0005
 
 
 class ReplyPump:
@@ -347,3 +403,8 @@ class ReplyPump:
                 continue
             with suppress(TimeoutError):
                 order.wait(target)
+            del target            # A caller that keeps issuing futures (an engine step after step)
+            # finds the pump still awake for a moment: no wake-up to pay.
+            linger_until = time.monotonic() + _LINGER_S
+            while not order.futures_pending and time.monotonic() < linger_until:
+                os.sched_yield()

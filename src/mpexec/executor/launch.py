@@ -20,19 +20,19 @@ import time
 from multiprocessing.connection import Connection
 
 from mpexec.errors import PeerDiedError, WorkerStartupError
-from mpexec.executor.launcher import LocalWorkerHandle
+from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.protocol import Ready, StartupFailed
 from mpexec.ipc import MessageQueue
 
 
-def _died(handle: LocalWorkerHandle, when: str) -> WorkerStartupError:
+def _died(handle: WorkerHandle, when: str) -> WorkerStartupError:
     handle.wait_exitcode()
     return WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) exited {when} ({handle.describe_exit()})",
         rank=handle.rank)
 
 
-def _failed(handle: LocalWorkerHandle, message: StartupFailed) -> WorkerStartupError:
+def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
     failure = message.failure
     error = WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) failed during start-up with "
@@ -42,14 +42,14 @@ def _failed(handle: LocalWorkerHandle, message: StartupFailed) -> WorkerStartupE
     return error
 
 
-def wait_for_ready(handles: list[LocalWorkerHandle], deadline: float, timeout_s: float,
+def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: float,
                    ) -> list[Ready]:
     """Every worker's ``Ready``, in local-rank order; ``WorkerStartupError`` otherwise.
 
     ``timeout_s`` is the configured start-up timeout, named in the error;
     ``deadline`` is when it runs out (the start itself used some of it).
     """
-    pipes: dict[Connection, LocalWorkerHandle] = {}
+    pipes: dict[Connection, WorkerHandle] = {}
     for h in handles:
         assert h.ready_conn is not None
         pipes[h.ready_conn] = h

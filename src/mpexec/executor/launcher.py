@@ -10,7 +10,8 @@ worker (Ray actors, the workers of a follower node) reuse them unchanged:
     ``ready_conn`` (the one message, ``Ready`` or ``StartupFailed``),
     ``death_fd`` (readable once the worker is gone), ``is_alive``,
     ``terminate`` / ``kill`` (also what it started), ``join``,
-    ``describe_exit``, ``close_death_pipe``, ``close``.
+    ``wait_exitcode`` / ``describe_exit``, ``end_group`` (what it started and
+    left behind), ``close_death_pipe``, ``close``.
 
 :class:`LocalProcessLauncher` runs each worker as a local process.  Two
 one-way pipes per worker::
@@ -74,7 +75,11 @@ class WorkerHandle(Protocol):
 
     def join(self, timeout: float | None) -> None: ...
 
+    def wait_exitcode(self, timeout: float = ...) -> int | None: ...
+
     def describe_exit(self) -> str: ...
+
+    def end_group(self) -> None: ...
 
     def close_ready(self) -> None: ...
 

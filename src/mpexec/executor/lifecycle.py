@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
 from mpexec.executor.futures import CallOrder
-from mpexec.executor.launcher import LocalWorkerHandle
+from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.spec import PortReservation
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc import MessageQueue
@@ -85,8 +85,10 @@ class Lifecycle:
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
         self.state = State.STARTING
+        # state is READY: one attribute read on every call's path
+        self.usable = False
         self.death: Death | None = None
-        self.handles: list[LocalWorkerHandle] = []
+        self.handles: list[WorkerHandle] = []
         self.queues: list[MessageQueue] = []
         self.calls: CallOrder | None = None
         self.port: PortReservation | None = None
@@ -109,6 +111,7 @@ class Lifecycle:
         with self.lock:
             if self.state is State.STARTING:
                 self.state = State.READY
+                self.usable = True
 
     def closed_error(self) -> Exception:
         """What a call sees once the executor is no longer usable."""
@@ -123,13 +126,14 @@ class Lifecycle:
                 return
         _run_callback(callback)
 
-    def worker_died(self, handle: LocalWorkerHandle, how: str = "") -> bool:
+    def worker_died(self, handle: WorkerHandle, how: str = "") -> bool:
         """Fail the executor because ``handle`` is gone; True for the first death."""
         exitcode = handle.wait_exitcode()
         with self.lock:
             if self.state in (State.FAILED, State.CLOSED):
                 return False
             self.state = State.FAILED
+            self.usable = False
             death = self.death = Death(handle.rank, handle.pid, exitcode, how)
         logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
                      handle.name, how or describe_exitcode(exitcode))
@@ -180,6 +184,7 @@ class Lifecycle:
         if os.getpid() != self.owner_pid:
             return  # a forked copy must not touch the parent's workers
         with self.lock:
+            self.usable = False
             if self.state is not State.FAILED:
                 self.state = State.CLOSED
         self.teardown()

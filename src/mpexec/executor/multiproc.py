@@ -46,9 +46,9 @@ import cloudpickle
 from mpexec.config import ExecutorConfig
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
-from mpexec.executor.futures import CallOrder, FutureWrapper, PendingCall, ReplyPump
+from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyPump
 from mpexec.executor.launch import handshake, wait_for_ready
-from mpexec.executor.launcher import LocalProcessLauncher, LocalWorkerHandle
+from mpexec.executor.launcher import LocalProcessLauncher, WorkerHandle
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.protocol import Reply, decode_replies
 from mpexec.executor.ranks import global_start_rank
@@ -79,11 +79,36 @@ class MultiprocExecutor(Executor):
         self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
         self.lifecycle = Lifecycle(self.termination)
         self.tracer = Tracer.create(config.trace, "Executor")
-        self.workers: list[LocalWorkerHandle] = self.lifecycle.handles
+        if self.tracer.enabled:
+            # Only a traced executor pays for the span around each call.
+            self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
+        self.workers: list[WorkerHandle] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
         self.shared_worker_lock: Any = None
-        self.replies = ReplyRouter(self._closed_error, self._pid_of)
+        # The router outlives calls (the lifecycle holds it); weak references
+        # back to the executor keep the executor collectable.
+        self_ref = weakref.ref(self)
+
+        def closed_error(rank: int, exc: QueueClosedError) -> Exception:
+            executor = self_ref()
+            return exc if executor is None else executor._closed_error(rank, exc)
+
+        def pid_of(rank: int) -> int:
+            executor = self_ref()
+            return -1 if executor is None else executor._pid_of(rank)
+
+        self.replies = ReplyRouter(closed_error, pid_of)
+        # The two usual ways replies become a value, built once (no executor
+        # reference: they live as long as pending calls do).
+        def finish_single(method: str, replies: dict[int, Reply]) -> Any:
+            return decode_replies(method, replies, True, pid_of)
+
+        def finish_list(method: str, replies: dict[int, Reply]) -> Any:
+            return decode_replies(method, replies, False, pid_of)
+
+        self._finish_single: Finish = finish_single
+        self._finish_list: Finish = finish_list
         self.calls = CallOrder(self.replies)
         self.lifecycle.calls = self.calls
         self._broadcast_lock = threading.Lock()
@@ -104,6 +129,7 @@ class MultiprocExecutor(Executor):
         config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
         life = self.lifecycle
+        self.calls.stats = self.call_stats
         try:
             with self.tracer.span("executor.start", world_size=self.world_size):
                 self._start_workers(deadline)
@@ -177,12 +203,13 @@ class MultiprocExecutor(Executor):
         else:
             self.lifecycle.start_monitor()
 
-    def _handle(self, rank: int) -> LocalWorkerHandle:
+    def _handle(self, rank: int) -> WorkerHandle:
         return self.workers[rank - self._start_rank]
 
     def _pid_of(self, rank: int) -> int:
         local = rank - self._start_rank
-        return self.workers[local].pid if 0 <= local < len(self.workers) else -1
+        pid = self.workers[local].pid if 0 <= local < len(self.workers) else None
+        return -1 if pid is None else pid
 
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         """What a caller sees when a queue closed under it: if a worker is
@@ -190,15 +217,20 @@ class MultiprocExecutor(Executor):
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle = self._dead_worker(rank, exc)
-            if handle is not None and life.worker_died(handle) and not self.monitor_workers:
-                threading.Thread(target=self._after_death, daemon=True).start()
+            # The monitor runs the callbacks and the teardown when it sees the
+            # death; without a monitor, or for a worker that closed its queue
+            # yet lives on (no death for the monitor to see), a thread does.
+            if handle is not None and life.worker_died(handle) and (
+                    not self.monitor_workers or handle.is_alive()):
+                threading.Thread(target=self._after_death, daemon=True,
+                                 name="MpexecAfterDeath").start()
         return life.closed_error()
 
     def _after_death(self) -> None:
         self.lifecycle.fire_callbacks()
         self.lifecycle.teardown()
 
-    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> LocalWorkerHandle | None:
+    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
         if rank is None and isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
             rank = self._start_rank + int(exc.role.split()[1])
         candidates = self.workers if rank is None else [self._handle(rank)]
@@ -224,20 +256,12 @@ class MultiprocExecutor(Executor):
         unique_reply_rank: int | None = None,
         kv_output_aggregator: KVOutputAggregator | None = None,
     ) -> Any:
-        if self.lifecycle.state is not State.READY:
+        if not self.lifecycle.usable:
             raise self.lifecycle.closed_error()
-        check_call(args, kwargs, timeout, unique_reply_rank, self.world_size)
-        if self.tracer.enabled:
-            name = method if isinstance(method, str) else "callable"
-            with self.tracer.span("executor.collective_rpc", method=name):
-                return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank,
-                                  kv_output_aggregator)
-        return self._call(method, timeout, args, kwargs, non_block, unique_reply_rank,
-                          kv_output_aggregator)
-
-    def _call(self, method: str | Callable[..., Any], timeout: float | None,
-              args: tuple[Any, ...], kwargs: dict[str, Any] | None, non_block: bool,
-              unique_reply_rank: int | None, aggregator: KVOutputAggregator | None) -> Any:
+        if (args.__class__ is not tuple or timeout is not None or unique_reply_rank is not None
+                or (kwargs is not None and kwargs.__class__ is not dict)):
+            check_call(args, kwargs, timeout, unique_reply_rank, self.world_size)
+        aggregator = kv_output_aggregator
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         if isinstance(method, str):
@@ -252,49 +276,82 @@ class MultiprocExecutor(Executor):
         else:
             output_rank = unique_reply_rank
             ranks = self._all_ranks if output_rank is None else (output_rank,)
-        finish = partial(self._complete, name, unique_reply_rank, aggregator)
+        if aggregator is not None:
+            finish: Finish = partial(_aggregate, aggregator, unique_reply_rank or 0, self._pid_of)
+        elif unique_reply_rank is None:
+            finish = self._finish_list
+        else:
+            finish = self._finish_single
         calls = self.calls
+        # Everything that can be done before the broadcast is: once the call
+        # is out, every instruction here delays reading its replies (and, on
+        # a shared core, the worker answering it).
+        call = PendingCall(0, name, ranks, deadline, finish, timeout, started)
+        future = FutureWrapper(calls, call) if non_block else None
+        kwargs = kwargs or {}
         with self._broadcast_lock:
-            call_id = self._next_call_id + 1
-            self._broadcast((call_id, send_method, args, kwargs or {}, output_rank),
-                            deadline, name)
+            call.call_id = call_id = self._next_call_id + 1
+            if future is None:
+                calls.pending.append(call)  # before the broadcast: nothing after it
+                try:
+                    self._broadcast((call_id, send_method, args, kwargs, output_rank),
+                                    deadline, name)
+                except BaseException:
+                    calls.pending.pop()  # ours: appended under this lock, never sent
+                    raise
+            else:
+                self._broadcast((call_id, send_method, args, kwargs, output_rank),
+                                deadline, name)
+                if calls.pump is None:
+                    ReplyPump(calls)
+                calls.add(call)
             self._next_call_id = call_id
-            call = PendingCall(call_id, name, ranks, deadline, finish, timeout)
-            future = FutureWrapper(calls, call) if non_block else None
-            calls.add(call)
-        if future is None:
+        if not non_block:
             ok = False
             try:
-                calls.wait(call)
-                value = call.outcome()
+                lock = calls.lock
+                # Nothing older pending and no one reading: resolve it here
+                # and now (the usual case, as fast as reading the replies).
+                pending = calls.pending
+                if pending[0] is call and lock.acquire(False):
+                    try:
+                        if pending and pending[0] is call and not call.done:
+                            calls.resolve_own(call)
+                    finally:
+                        lock.release()
+                if not call.done:
+                    calls.wait(call)
+                if call.error is not None:
+                    raise call.error
                 ok = True
-                return value
+                return call.value
             finally:
                 self.call_stats.record(name, time.monotonic() - started, ok)
-        if calls.pump is None:
-            ReplyPump(calls)
-        stats = self.call_stats
-        future.add_done_callback(
-            lambda f: stats.record(name, time.monotonic() - started, f.exception() is None))
+        assert future is not None
         return future
 
-    def _complete(self, name: str, unique_reply_rank: int | None,
-                  aggregator: KVOutputAggregator | None, replies: dict[int, Reply]) -> Any:
-        if aggregator is not None:
-            outputs = decode_replies(name, False, replies, self._pid_of)
-            return aggregator.aggregate(outputs, unique_reply_rank or 0)
-        return decode_replies(name, unique_reply_rank is not None, replies, self._pid_of)
+    def _traced_collective_rpc(self, method: str | Callable[..., Any], *args: Any,
+                               **kwargs: Any) -> Any:
+        name = method if isinstance(method, str) else "callable"
+        with self.tracer.span("executor.collective_rpc", method=name):
+            return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
 
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         """Put one call on the broadcast ring (the one place that does)."""
         mq = self.rpc_broadcast_mq
         assert mq is not None
+        try:
+            # Pickled once here (a pickling error is the caller's, raised now);
+            # every retry below sends these same bytes.
+            encoded = mq.encode(message)
+        except QueueClosedError as exc:
+            raise self._closed_error(None, exc) from exc
         # The first try does not wait: if the ring is full, the workers may be
         # stuck on full reply rings, and only draining them lets them move.
         wait_s = 0.0
         while True:
             try:
-                mq.enqueue(message, timeout=wait_s)
+                mq.enqueue(encoded, timeout=wait_s)
                 return
             except TimeoutError:
                 pass
@@ -317,6 +374,12 @@ class MultiprocExecutor(Executor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True
+
+
+def _aggregate(aggregator: KVOutputAggregator, output_rank: int, pid_of: Callable[[int], int],
+               method: str, replies: dict[int, Reply]) -> Any:
+    """Every worker's reply merged by the KV output aggregator."""
+    return aggregator.aggregate(decode_replies(method, replies, False, pid_of), output_rank)
 
 
 __all__ = ["MultiprocExecutor", "WorkerStartupError"]

@@ -115,7 +115,7 @@ def worker_error(rank: int, pid: int, method: str, failure: RemoteFailure) -> Wo
     return error
 
 
-def decode_replies(method: str, single: bool, replies: dict[int, Reply],
+def decode_replies(method: str, replies: dict[int, Reply], single: bool,
                    pid_of: Callable[[int], int]) -> Any:
     """One call's replies as the caller gets them: one result (``single``) or a
     list in rank order; the first failure, in rank order, is raised instead.

@@ -7,16 +7,18 @@ an already completed Future).  The worker gets the same ``WorkerContext`` a
 process worker would (``spec.worker_contexts``), with a ``threading.Lock``
 as ``shared_worker_lock`` when the config asks for one.
 
-``timeout=``: a call with a timeout runs on a helper thread and the caller
-waits at most that long (``TimeoutError``, as with processes); the call
-itself cannot be interrupted and keeps the worker until it returns - later
-calls wait for it, in order.  Calls without a timeout run in the caller's
-thread.  For tests, debugging and single-device use.
+``timeout=``: a call with a timeout runs on one long-lived helper thread
+(always the same one, so thread-bound state such as a CUDA device stays put)
+and the caller waits at most that long (``TimeoutError``, as with
+processes); the call itself cannot be interrupted and keeps the worker until
+it returns - later calls wait for it, in order.  Calls without a timeout run
+in the caller's thread.  For tests, debugging and single-device use.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import traceback
@@ -42,6 +44,8 @@ class UniProcExecutor(Executor):
         self.shared_worker_lock: Any = None
         # Held while the worker runs a call: one call at a time, in order.
         self._worker_busy = threading.Lock()
+        self._timed_calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._timed_thread: threading.Thread | None = None
         super().__init__(config)
 
     def _init_executor(self) -> None:
@@ -85,7 +89,11 @@ class UniProcExecutor(Executor):
         if timeout is None:
             run()
         else:
-            threading.Thread(target=run, daemon=True, name="UniProcCall").start()
+            if self._timed_thread is None:
+                self._timed_thread = threading.Thread(target=self._serve_timed, daemon=True,
+                                                      name="UniProcTimedCalls")
+                self._timed_thread.start()
+            self._timed_calls.put(run)
             try:
                 future.exception(timeout=timeout)
             except TimeoutError:
@@ -98,6 +106,13 @@ class UniProcExecutor(Executor):
                 return failed
         self.call_stats.record(name, time.perf_counter() - started, future.exception() is None)
         return future if non_block else future.result()
+
+    def _serve_timed(self) -> None:
+        while True:
+            run = self._timed_calls.get()
+            if run is None:
+                return
+            run()
 
     def _run(self, method: str | Callable[..., Any], name: str, args: tuple[Any, ...],
              kwargs: dict[str, Any], unique_reply_rank: int | None,
@@ -130,6 +145,8 @@ class UniProcExecutor(Executor):
         if self.shutting_down:
             return
         self.shutting_down = True
+        if self._timed_thread is not None:
+            self._timed_calls.put(None)  # after whatever call it still runs
         self.driver_worker.shutdown()
 
     @classmethod

@@ -41,7 +41,7 @@ from typing import Any
 
 import cloudpickle
 
-from mpexec.errors import QueueClosedError
+from mpexec.errors import QueueClosedError, UndecodableMessageError
 from mpexec.executor.protocol import (
     Ready,
     RemoteFailure,
@@ -169,14 +169,18 @@ class WorkerProc:
         while True:
             try:
                 call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
-            except QueueClosedError:
-                raise
-            except Exception as exc:  # the call arrived but could not be unpickled
+            except (UndecodableMessageError, OSError) as exc:
+                # A message the transport consumed but could not deliver (its
+                # unpickling failed, or no memory to map it): the call fails,
+                # the worker serves the next one.  Anything else propagates.
                 last_call_id += 1
                 logger.warning("rank %d: call %d could not be unpickled: %s", rank,
                                last_call_id, exc)
+                # The caller wants the unpickling error itself, not the wrapper.
+                cause = exc.__cause__ if isinstance(exc, UndecodableMessageError) else None
                 handle_output(last_call_id, capture_failure(
-                    exc, f"the arguments of call {last_call_id} could not be unpickled"))
+                    cause if isinstance(cause, Exception) else exc,
+                    f"the arguments of call {last_call_id} could not be unpickled"))
                 continue
             last_call_id = call_id
             replies = output_rank is None or output_rank == rank

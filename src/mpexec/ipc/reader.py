@@ -12,7 +12,7 @@ import pickle
 import time
 from typing import Any
 
-from mpexec.errors import QueueClosedError
+from mpexec.errors import QueueClosedError, UndecodableMessageError
 from mpexec.ipc import layout, sync
 from mpexec.ipc.bulk import BulkRelease, map_bulk
 from mpexec.ipc.layout import RingLayout
@@ -128,7 +128,10 @@ class MessageQueueReader(MessageQueue):
                 if kind == layout.KIND_PICKLE:
                     # Unpickled straight from the chunk, which stays ours until
                     # read_seq moves: the objects made are copies.
-                    obj = pickle.loads(self._bytes[start:start + size])
+                    try:
+                        obj = pickle.loads(self._bytes[start:start + size])
+                    except Exception as exc:
+                        raise self._undecodable(seq, exc) from exc
                 elif kind == layout.KIND_INLINE:
                     view = memoryview(bytearray(self._bytes[start:start + size]))
                 else:
@@ -143,7 +146,19 @@ class MessageQueueReader(MessageQueue):
                     sync.futex_wake(self._segment.address + sync.low_word_offset(read_cell * 8))
         finally:
             self._busy = False
-        return obj if view is None else decode(view)
+        if view is None:
+            return obj
+        try:
+            return decode(view)
+        except OSError:
+            raise  # no memory for the message: the documented OSError, as is
+        except Exception as exc:
+            raise self._undecodable(seq, exc) from exc
+
+    def _undecodable(self, seq: int, exc: Exception) -> UndecodableMessageError:
+        return UndecodableMessageError(
+            f"queue {self.name!r}: message {seq} could not be unpickled: "
+            f"{type(exc).__name__}: {exc}")
 
     def _handshake(self, deadline: float | None) -> None:
         cells = self._cells
