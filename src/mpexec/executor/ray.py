@@ -139,7 +139,15 @@ class RayReplies:
     """The reply reader of the "ray" path: each rank's refs, in call order."""
 
     def __init__(self, executor: RayExecutor) -> None:
-        self._closed_error = executor._closed_error
+        # The lifecycle holds this reader: a weak reference back keeps the
+        # executor collectable.
+        self_ref = weakref.ref(executor)
+
+        def closed_error(rank: int, exc: QueueClosedError) -> Exception:
+            owner = self_ref()
+            return exc if owner is None else owner._closed_error(rank, exc)
+
+        self._closed_error = closed_error
         self._life = executor.lifecycle
         self.ray: Any = None
         self._actors: list[Any] = []
@@ -220,6 +228,7 @@ class RayExecutor(MultiprocExecutor):
         if self.call_path == "ray":
             self.replies = RayReplies(self)  # type: ignore[assignment]
             self.calls = life.calls = CallOrder(self.replies)
+            self.calls.stats = self.call_stats
         deadline = time.monotonic() + config.startup_timeout_s
         try:
             self._start_actors(deadline)
@@ -262,7 +271,7 @@ class RayExecutor(MultiprocExecutor):
             actor = actor_cls.options(scheduling_strategy=strategy).remote(
                 ctx, handle, os.getpid())
             handles.append(RayWorkerHandle(ray, ctx.rank, actor))
-            life.handles.append(handles[-1])  # type: ignore[arg-type]
+            life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s)
         if self.call_path == "ray":
             assert isinstance(self.replies, RayReplies)
@@ -396,6 +405,7 @@ def _close(life: Lifecycle, state: _RayState) -> None:
         orderly = life.state is State.READY
         if life.state is not State.FAILED:
             life.state = State.CLOSED
+            life.usable = False
     if orderly:
         try:
             state.end_workers_gently(life)
