@@ -4,6 +4,7 @@ Prints three tables from one run::
 
     python benchmarks/bench_engine.py [--model default] [--requests 32] [--sequential 4]
                                       [--prompt-len 128] [--max-tokens 64] [--layouts tp1,tp2,pp2]
+                                      [--threads 1]
 
 For each layout (TP=1, TP=2, PP=2 on the CPU):
 
@@ -74,7 +75,8 @@ def one_at_a_time(llm: LLM, batch: list[dict[str, Any]],
 def start(args: argparse.Namespace, tp: int, pp: int, async_scheduling: bool) -> LLM:
     return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                async_scheduling=async_scheduling, max_num_seqs=max(64, args.requests),
-               max_model_len=args.prompt_len + args.max_tokens + 16)
+               max_model_len=args.prompt_len + args.max_tokens + 16,
+               num_threads=args.threads)
 
 
 def main() -> None:
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--layouts", default="tp1,tp2,pp2")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per worker (1: the layouts compare fairly)")
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = prompts(args.requests, args.prompt_len)

@@ -68,15 +68,23 @@ def test_same_tokens_everywhere(tiny: Path, baseline: list[list[int]], backend: 
         assert all(o.text == llm.tokenizer.decode(o.token_ids) for o in outputs)
 
 
-def test_preemption_on_a_small_kv_cache_gives_the_same_tokens(
-        tiny: Path, baseline: list[list[int]]) -> None:
-    with make_llm(tiny, "uni", block_size=4) as probe:
-        block_bytes = probe.engine.executor.collective_rpc("kv_cache_block_bytes")[0]
-    with make_llm(tiny, "mp", 1, 1, True, kv_cache_memory_bytes=6 * block_bytes,
+def test_preemption_on_a_small_kv_cache_gives_the_same_tokens(tiny: Path) -> None:
+    from mpexec import SamplingParams
+
+    long_params = [SamplingParams(temperature=t, seed=5, max_tokens=20, ignore_eos=True)
+                   for t in (0, 0.8, 0, 1.0)]
+    with make_llm(tiny, "uni", block_size=4, max_num_seqs=1) as reference:
+        block_bytes = reference.engine.executor.collective_rpc("kv_cache_block_bytes")[0]
+        longest = max(len(reference.tokenizer.encode(p)) for p in PROMPTS) + 20
+        want = [o.token_ids for o in reference.generate(PROMPTS, long_params)]
+    # room for the longest request alone, not for all of them at once
+    blocks = -(-longest // 4) + 1
+    with make_llm(tiny, "mp", 1, 1, True, kv_cache_memory_bytes=blocks * block_bytes,
                   block_size=4) as llm:
-        outputs = llm.generate(PROMPTS, params())
+        assert llm.engine.num_blocks == blocks
+        outputs = llm.generate(PROMPTS, long_params)
         assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outputs] == baseline
+    assert [o.token_ids for o in outputs] == want
 
 
 def test_chat_uses_the_checkpoints_template(tiny: Path) -> None:
@@ -144,3 +152,15 @@ def test_cli_worker_killed_exits_nonzero(tiny: Path) -> None:
     result = run_python("-c", code, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "a worker died" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_readme_python_example_runs(tiny: Path, tmp_path: Path) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+                 if "from mpexec import LLM" in b)
+    script = tmp_path / "use_llm.py"
+    script.write_text(block.replace('LLM("default"', f'LLM({str(tiny)!r}'))
+    result = run_python(str(script), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -143,3 +143,18 @@ def test_worker_error_reaches_the_caller_typed(engine_factory: Callable[..., Eng
         for _ in range(1000):
             engine.step()
     assert engine.is_dead and all(r.is_finished for r in requests)
+
+
+def test_pipeline_micro_batches_share_the_requests(engine_factory: Callable[..., Engine]) -> None:
+    engine = engine_factory("mp", 1, 2, True, limits=fake_limits(max_num_batched_tokens=256))
+    sizes = []
+    original = engine._dispatch
+
+    def spy(out):  # type: ignore[no-untyped-def]
+        sizes.append(len(out.scheduled_tokens))
+        original(out)
+
+    engine._dispatch = spy  # type: ignore[method-assign]
+    requests = run_all(engine)
+    assert sizes[:2] == [3, 3]  # six requests over two stages
+    assert [(r.output_token_ids, r.finish_reason.value) for r in requests] == expected()

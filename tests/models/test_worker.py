@@ -62,10 +62,12 @@ def test_tp1_reproduces_transformers(tiny_checkpoint: Path, reference_run: Any) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(("tp", "pp", "partition"), [
+    (2, 1, None), (3, 1, None), (1, 2, [1, 3]), (2, 2, None)])
 def test_parallel_layouts_reproduce_tp1(tiny_checkpoint: Path, reference_run: Any, tp: int,
-                                        pp: int, leak_check: None) -> None:
-    with make_executor(tiny_checkpoint, tp=tp, pp=pp) as executor:
+                                        pp: int, partition: list[int] | None,
+                                        leak_check: None) -> None:
+    with make_executor(tiny_checkpoint, tp=tp, pp=pp, pp_layer_partition=partition) as executor:
         # placeholders only where the protocol allows them (PP == 1)
         runs = StepDriver(executor, fetch_logits=True, placeholders=pp == 1,
                           chunk=6).generate(greedy_requests())
@@ -106,12 +108,15 @@ def test_seeded_sampling_ignores_the_batch(tiny_checkpoint: Path) -> None:
         driver = StepDriver(executor, first_block=64)
         alone = {rid: driver.generate({rid: request})[rid] for rid, request in requests.items()}
         unseeded = StepDriver(executor, first_block=32).generate(
-            {"x": (prompts()["r0"], SamplingParams(temperature=1.0, max_tokens=8))})
+            {rid: (prompts()["r0"], SamplingParams(temperature=1.0, max_tokens=8))
+             for rid in ("x", "y")})
     for rid in requests:
         assert together[rid].output == alone[rid].output
         assert together[rid].logprobs == pytest.approx(alone[rid].logprobs, abs=1e-5)
         assert len(together[rid].logprobs) == 8
-    assert len(unseeded["x"].output) == 8  # seed None: the worker's seed
+    # seed None: the worker's seed mixed with the request id, so two requests
+    # with the same prompt do not draw the same tokens
+    assert len(unseeded["x"].output) == 8 and unseeded["x"].output != unseeded["y"].output
 
 
 def test_grammar_bitmask_limits_the_tokens(tiny_checkpoint: Path) -> None:
@@ -183,5 +188,10 @@ def test_bad_steps_and_configs_are_named(tiny_checkpoint: Path) -> None:
             executor.execute_model(SchedulerOutput(
                 scheduled_new_reqs=[too_far], scheduled_tokens={"big": [1, 2, 3, 4, 5]},
                 num_computed_tokens={"big": 0}))
+        outside = NewRequestData("odd", [1, 389], GREEDY, [0])
+        with pytest.raises(WorkerError, match=r"token id 389 is outside the vocabulary \[0, 389\)"):
+            executor.execute_model(SchedulerOutput(
+                scheduled_new_reqs=[outside], scheduled_tokens={"odd": [1, 389]},
+                num_computed_tokens={"odd": 0}))
     with pytest.raises(Exception, match="dtype must be"):
         make_executor(tiny_checkpoint, backend="uni", dtype="int8")

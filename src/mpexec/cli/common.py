@@ -28,15 +28,16 @@ def check_model(model: str) -> None:
 
 def check_layout(tp: int, pp: int) -> None:
     """CPU workers need a CPU each: refuse TP x PP beyond this machine."""
-    if importlib.util.find_spec("torch") is not None:
+    from mpexec.engine.llm import cuda_available
+
+    if cuda_available():
         import torch
 
-        if torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            if tp * pp > count:
-                raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers, but "
-                                 f"{count} CUDA devices are visible")
-            return
+        count = torch.cuda.device_count()
+        if tp * pp > count:
+            raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers, but "
+                             f"{count} CUDA devices are visible")
+        return
     cpus = usable_cpus()
     if tp * pp > cpus:
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} CPU workers, but this machine "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib
 import importlib.util
 import json
 import os
@@ -278,7 +279,11 @@ MODEL_CACHE_MIN_FREE = 512 << 20  # the default model is ~100 MiB; leave room fo
 
 def model_cache_dir() -> str:
     """MPEXEC_CACHE_DIR, or ~/.cache/mpexec: where models are fetched to."""
-    return os.path.expanduser(os.environ.get("MPEXEC_CACHE_DIR") or "~/.cache/mpexec")
+    try:  # the model package's answer, where it is installed
+        fetch = importlib.import_module("mpexec.models.fetch")
+        return str(fetch.default_cache_dir())
+    except (ImportError, AttributeError):
+        return os.path.expanduser(os.environ.get("MPEXEC_CACHE_DIR") or "~/.cache/mpexec")
 
 
 def check_model_cache(path: str | None = None) -> Check:
@@ -292,7 +297,7 @@ def check_model_cache(path: str | None = None) -> Check:
                      "set MPEXEC_CACHE_DIR to a writable directory")
     st = os.statvfs(probe)
     free = st.f_bavail * st.f_frsize
-    ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
+    ggufs = [f for _, _, files in os.walk(path) for f in files if f.endswith(".gguf")]
     cached = f"{len(ggufs)} model file(s) cached" if ggufs else \
         "empty: 'mpexec demo' fetches the default model (~100 MiB) on first use"
     detail = f"{path} ({cached}); {_gib(free)} free on its disk"

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="executor: worker processes (mp) or in this process (uni)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule step N+1 while step N runs")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
@@ -65,11 +65,17 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
 
-    return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
-               seed=getattr(args, "seed", 0),
-               async_scheduling=getattr(args, "async_scheduling", False),
-               max_model_len=getattr(args, "max_model_len", None), log_level=args.log_level)
+    progress = Progress()
+    progress.update(f"starting {tp * pp} worker(s) and loading {args.model} ...", force=True)
+    try:
+        return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
+                   seed=getattr(args, "seed", 0),
+                   async_scheduling=getattr(args, "async_scheduling", False),
+                   max_model_len=getattr(args, "max_model_len", None),
+                   max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level)
+    finally:
+        progress.done()
 
 
 def run(args: argparse.Namespace, out: TextIO,

@@ -17,7 +17,8 @@ fills the pipeline (schedules and sends steps while there is room and work),
 then waits for the oldest step and applies it.  With PP = 1 the second step
 is scheduled while the first runs and its decode inputs are
 ``PLACEHOLDER_TOKEN_ID``; with PP > 1 every stage gets its own micro-batch
-and the micro-batches hold disjoint requests, so no placeholder is sent.
+(each with about 1/PP of the requests) and the micro-batches hold disjoint
+requests, so no placeholder is sent.
 
 Start-up sizes the KV cache: ``num_blocks`` is the minimum over the workers
 of ``determine_available_memory() // kv_cache_block_bytes()`` (and no more
@@ -176,7 +177,8 @@ class Engine:
         self._raise_if_dead()
         try:
             while len(self._in_flight) < self.max_steps_in_flight:
-                scheduler_output = self.scheduler.schedule(self.allow_placeholders)
+                scheduler_output = self.scheduler.schedule(
+                    self.allow_placeholders, self._micro_batch_requests())
                 if scheduler_output is None:
                     break
                 self._dispatch(scheduler_output)
@@ -188,6 +190,13 @@ class Engine:
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    def _micro_batch_requests(self) -> int | None:
+        """With PP micro-batches in flight, each takes its share of the requests."""
+        if self.allow_placeholders or self.max_steps_in_flight == 1:
+            return None
+        unfinished = len(self.scheduler.requests)
+        return max(1, -(-unfinished // self.max_steps_in_flight))
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> None:
         self.stats.steps += 1

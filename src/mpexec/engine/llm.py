@@ -4,8 +4,9 @@
 
     LLM(model="default" | path, tensor_parallel_size, pipeline_parallel_size, ...)
       │ resolve_model(model) -> checkpoint path (the default model is fetched once)
+      │ Executor(ExecutorConfig(worker_cls=ModelWorker, ...)) -> workers load their shards
       │ open_checkpoint(path): config (EOS ids, context length) and tokenizer, in the driver
-      │ Engine.start(ExecutorConfig(worker_cls=ModelWorker, ...))  -> workers load their shards
+      │ Engine(executor, ...) -> KV cache sized
       ▼
     generate / generate_stream / chat
       │ text -> tokenizer.encode (plain text, exactly as the checkpoint's tokenizer does)
@@ -35,6 +36,7 @@ from mpexec.engine.engine import Engine
 from mpexec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import SchedulerLimits
+from mpexec.executor import Executor
 from mpexec.outputs import SamplingParams
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
@@ -98,18 +100,14 @@ class LLM:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {world} CPU workers, but "
                 f"this machine has {usable_cpus()} usable CPUs: one worker needs one CPU")
-        model_max_len = max_model_len
-        if worker_cls == MODEL_WORKER:
-            path, config, loaded = _open_model(model)
-            tokenizer = tokenizer or loaded
-            eos = tuple(eos_token_ids) if eos_token_ids is not None else tuple(
-                dict.fromkeys([*config.eos_token_ids, *loaded.eos_token_ids]))
-            model_max_len = max_model_len or config.max_position_embeddings
+        is_model_worker = worker_cls == MODEL_WORKER
+        if is_model_worker:
+            path = _resolve(model)
             if num_threads is None and device_type == "cpu":
                 num_threads = max(1, usable_cpus() // world)
             kwargs: dict[str, Any] = {
                 "model": str(path), "dtype": dtype, "block_size": block_size,
-                "max_model_len": model_max_len,
+                "max_model_len": max_model_len,  # None: the checkpoint's
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
                 "num_threads": num_threads,
@@ -119,20 +117,38 @@ class LLM:
         else:
             if tokenizer is None:
                 raise ValueError("worker_cls other than the model worker needs a tokenizer")
-            if model_max_len is None:
+            if max_model_len is None:
                 raise ValueError("worker_cls other than the model worker needs max_model_len")
-            eos = tuple(eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids)
             kwargs = dict(worker_kwargs or {})
-        self.tokenizer: TokenizerLike = tokenizer
         self.model = str(model)
         config_obj = ExecutorConfig.from_env(
             worker_cls=worker_cls, worker_kwargs=kwargs, parallel=parallel,
             scheduler=SchedulerConfig(async_scheduling=async_scheduling),
             executor_backend=executor_backend, device_type=device_type, **executor_fields)
-        limits = SchedulerLimits(max_model_len=model_max_len,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 max_num_seqs=max_num_seqs, block_size=block_size)
-        self._engine = Engine.start(config_obj, limits, eos)
+        # The workers start first: the driver has no threads yet, so they can be
+        # forked; opening the checkpoint (tokenizer libraries start threads)
+        # comes after.
+        executor = Executor.get_class(config_obj)(config_obj)
+        try:
+            model_max_len = max_model_len
+            if is_model_worker:
+                config, loaded = _open_model(path)
+                tokenizer = tokenizer or loaded
+                if eos_token_ids is None:
+                    eos_token_ids = list(dict.fromkeys(
+                        [*config.eos_token_ids, *loaded.eos_token_ids]))
+                model_max_len = max_model_len or config.max_position_embeddings
+            assert tokenizer is not None and model_max_len is not None
+            eos = tuple(eos_token_ids if eos_token_ids is not None
+                        else tokenizer.eos_token_ids)
+            limits = SchedulerLimits(max_model_len=model_max_len,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     max_num_seqs=max_num_seqs, block_size=block_size)
+            self._engine = Engine(executor, limits, eos)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.tokenizer: TokenizerLike = tokenizer
         self._clock_offset = time.time() - time.monotonic()
 
     @property
@@ -285,19 +301,41 @@ def _device_type(device: str) -> str:
         return device
     if device != "auto":
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
-    try:
-        import torch  # the model worker needs it anyway; seconds, once
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available() else "cpu"
 
 
-def _open_model(model: str | os.PathLike[str]) -> tuple[Any, Any, Any]:
-    """The checkpoint's path, config and tokenizer (the default model is fetched)."""
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device, without importing a CPU-only torch.
+
+    Importing torch starts a thread, and a driver with threads must spawn its
+    workers instead of forking them (slower): a ``+cpu`` build is known to
+    have no CUDA from its version alone.
+    """
+    import sys
+    from importlib import metadata
+
+    if "torch" not in sys.modules:
+        try:
+            if "+cpu" in metadata.version("torch"):
+                return False
+        except metadata.PackageNotFoundError:
+            return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _resolve(model: str | os.PathLike[str]) -> Any:
     import importlib
 
     fetch = importlib.import_module("mpexec.models.fetch")
+    return fetch.resolve_model(str(model))
+
+
+def _open_model(path: Any) -> tuple[Any, Any]:
+    """The checkpoint's config and tokenizer."""
+    import importlib
+
     loader = importlib.import_module("mpexec.models.loader")
-    path = fetch.resolve_model(str(model))
     with loader.open_checkpoint(path) as checkpoint:
-        return path, checkpoint.config, checkpoint.tokenizer()
+        return checkpoint.config, checkpoint.tokenizer()

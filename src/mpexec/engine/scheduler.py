@@ -26,6 +26,9 @@
 :class:`~mpexec.outputs.ModelRunnerOutput`, appends each sampled token and
 checks the stop conditions.
 
+Pipeline parallelism: the engine passes ``max_requests`` so that the
+requests are spread over the micro-batches in flight (one per stage).
+
 Async scheduling (``allow_placeholders``): a step may be scheduled before the
 previous step's tokens are back.  A decoding request then gets
 ``PLACEHOLDER_TOKEN_ID`` as its input token, and the worker substitutes the
@@ -136,16 +139,22 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
 
-    def schedule(self, allow_placeholders: bool = True) -> SchedulerOutput | None:
-        """The next step, or None when no request has a token to run now."""
+    def schedule(self, allow_placeholders: bool = True,
+                 max_requests: int | None = None) -> SchedulerOutput | None:
+        """The next step, or None when no request has a token to run now.
+
+        ``max_requests`` caps the requests in this step (the engine splits the
+        requests over the micro-batches of a pipeline).
+        """
         step = self._next_step
         budget = self.limits.max_num_batched_tokens
+        room = max_requests if max_requests is not None else self.limits.max_num_seqs
         output = SchedulerOutput(step=step)
         batch: list[_Scheduled] = []
         preempted = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(batch) < room:
             request = self.running[index]
             count = self._tokens_to_run(request, budget, allow_placeholders)
             if count == 0:
@@ -170,7 +179,7 @@ class Scheduler:
             budget -= count
             index += 1
 
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and self.waiting and budget > 0 and len(batch) < room
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
             count = min(request.num_tokens, budget)

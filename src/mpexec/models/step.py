@@ -18,6 +18,7 @@ that is new in this step carries its whole block table in ``block_ids``.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from mpexec.models.kv_cache import ScheduledRequest
@@ -59,13 +60,19 @@ class RequestTable:
             params = new.sampling_params
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id, params=params,
-                seed=self.default_seed if params.seed is None else params.seed,
+                seed=self._unseeded(new.req_id) if params.seed is None else params.seed,
                 prompt_len=len(new.prompt_token_ids), block_ids=list(new.block_ids),
                 token_ids=list(new.prompt_token_ids))
             new_ids.add(new.req_id)
         for req_id, blocks in scheduler_output.new_block_ids.items():
             if req_id not in new_ids:
                 self._get(req_id).block_ids.extend(blocks)
+
+    def _unseeded(self, req_id: str) -> int:
+        """A request without a seed draws from the worker's seed mixed with a
+        stable hash of its id: the same on every rank and in every batch, yet
+        two such requests do not share one noise stream."""
+        return self.default_seed * 0x1_0000_0000 + zlib.crc32(req_id.encode())
 
     def _get(self, req_id: str) -> RequestState:
         try:

@@ -246,6 +246,11 @@ class ModelWorker(WorkerBase):
         if len(step.token_ids) > self.max_num_batched_tokens:
             raise ValueError(f"the step schedules {len(step.token_ids)} tokens; "
                              f"max_num_batched_tokens is {self.max_num_batched_tokens}")
+        vocab = self.model_config.vocab_size
+        if step.token_ids and not 0 <= min(step.token_ids) <= max(step.token_ids) < vocab:
+            # checked here: a vocab-parallel lookup would turn it into a silent zero row
+            bad = next(t for t in step.token_ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         if step.positions and max(step.positions) >= (self.max_model_len or 0):
             raise ValueError(f"position {max(step.positions)} is beyond max_model_len "
                              f"{self.max_model_len}")

@@ -43,11 +43,12 @@ class Attention:
                  cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        cos, sin = rope
-        q = self.rotary.apply(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = self.rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        # q and k sit side by side in qkv: one rotation covers both
+        qk = qkv[:, :self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.rotary.apply(qk, *rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -64,7 +65,8 @@ class Attention:
                 if span.context_slots is None:
                     keys, values = k[span.start:span.stop], v[span.start:span.stop]
                 else:
-                    keys, values = k_cache[span.context_slots], v_cache[span.context_slots]
+                    keys = torch.index_select(k_cache, 0, span.context_slots)
+                    values = torch.index_select(v_cache, 0, span.context_slots)
                 out[span.start:span.stop] = self._prefill(rows_q, keys, values, span.mask)
         return self.o_proj(out)
 
@@ -74,8 +76,12 @@ class Attention:
         count = q.shape[0]
         # [B, L, kv, d] -> [B, kv, L, d]; the group of query heads of one KV
         # head plays the part of the query length.
-        keys = k_cache[batch.decode_slots].transpose(1, 2)
-        values = v_cache[batch.decode_slots].transpose(1, 2)
+        # index_select over flat slots: several times faster than advanced
+        # indexing with a 2-D index on the CPU
+        flat = batch.decode_slots.view(-1)
+        shape = (count, batch.decode_slots.shape[1], self.num_kv_heads, self.head_dim)
+        keys = torch.index_select(k_cache, 0, flat).view(shape).transpose(1, 2)
+        values = torch.index_select(v_cache, 0, flat).view(shape).transpose(1, 2)
         queries = q.view(count, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
         return out.reshape(count, self.q_size)

@@ -144,7 +144,10 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, head_dim]`` rotated by its tokens' positions."""
-        first, second = x[..., :self.half], x[..., self.half:]
-        rotated = torch.cat((-second, first), dim=-1)
-        return x * cos + rotated * sin
+        """``x`` ``[T, heads, head_dim]`` rotated by its tokens' positions:
+        ``x * cos + rotate_half(x) * sin`` in three kernels instead of five."""
+        half = self.half
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out

@@ -1,0 +1,315 @@
+"""Model benchmarks: the ModelWorker on SmolLM2 beside transformers, one table.
+
+    python benchmarks/bench_model.py [--model default] [--steps 24] [--threads 1]
+                                     [--dtypes float32,bfloat16] [--layouts tp1,tp2,pp2]
+
+For each dtype and layout (TP=1, TP=2, PP=2 through the mp executor, one
+worker process per rank with ``--threads`` intra-op threads each) and for
+transformers (``generate`` on the same GGUF, same dtype, same threads, in
+this process), in the same run:
+
+- decode tokens/s at batch 1 and 16 (64-token prompts; the median step: for
+  transformers, between consecutive calls of a logits processor in generate);
+- prefill tokens/s of one 512-token prompt;
+- weight bytes read per second in batch-1 decode (every weight of a rank is
+  read once per step) beside a streaming-read bandwidth (``sum`` over 512 MiB,
+  1 and 2 threads) measured here too;
+- the executor's share of a decode step: driver wall time of execute_model +
+  sample_tokens minus the output rank's ``worker_execute_s`` +
+  ``worker_sample_s``, over the wall time;
+- resident memory per worker (VmRSS) and the weight bytes it holds.
+
+Numbers depend on the machine and its load; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from harness import percentile, render  # noqa: E402
+
+from mpexec import Executor, ExecutorConfig, ParallelConfig  # noqa: E402
+from mpexec.outputs import (  # noqa: E402
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+BLOCK = 16
+PROMPT = 64
+PREFILL = 512
+GREEDY = SamplingParams(temperature=0, max_tokens=10_000)
+
+
+def worker_rss(wrapper: Any) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker_weight_bytes(wrapper: Any) -> int:
+    """Bytes of the distinct weight tensors this rank holds (= read per decode step,
+    except the embedding rows that only the LM head reads when tied)."""
+    stage = wrapper.worker.stage
+    seen: dict[int, int] = {}
+
+    def visit(obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, torch.Tensor):
+            seen[obj.data_ptr()] = obj.numel() * obj.element_size()
+        elif depth < 4 and hasattr(obj, "__dict__"):
+            for name, value in vars(obj).items():
+                if name == "group":
+                    continue  # a process group's buffers are not weights
+                if isinstance(value, list):
+                    for item in value:
+                        visit(item, depth + 1)
+                else:
+                    visit(value, depth + 1)
+
+    visit(stage)
+    rotary = stage.rotary
+    for table in (rotary.cos, rotary.sin):  # tables, not weights
+        seen.pop(table.data_ptr(), None)
+    if stage.embedding is not None and stage.lm_head is None:
+        seen.pop(stage.embedding.weight.data_ptr(), None)  # one row per token only
+    return sum(seen.values())
+
+
+class OurModel:
+    """An mp executor of ModelWorkers, stepped with hand-built SchedulerOutputs."""
+
+    def __init__(self, model: Path, tp: int, pp: int, dtype: str, threads: int) -> None:
+        config = ExecutorConfig(
+            worker_cls="mpexec.models.worker:ModelWorker",
+            worker_kwargs=dict(model=str(model), dtype=dtype, block_size=BLOCK,
+                               max_model_len=1024, num_threads=threads,
+                               kv_cache_memory_bytes=256 << 20),
+            parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            executor_backend="mp", device_type="cpu", omp_num_threads=threads,
+            startup_timeout_s=600.0, execute_model_timeout_s=600.0)
+        self.executor = Executor.get_class(config)(config)
+        self.pp = pp
+        memory = self.executor.collective_rpc("determine_available_memory")
+        block_bytes = self.executor.collective_rpc("kv_cache_block_bytes")
+        self.num_blocks = min(m // b for m, b in zip(memory, block_bytes, strict=True))
+        self.executor.collective_rpc("initialize_cache", args=(self.num_blocks,))
+        self.executor.execute_dummy_batch()
+        self.next_block = 0
+        self.serial = 0
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+    def _blocks(self, tokens: int) -> list[int]:
+        count = -(-tokens // BLOCK)
+        if self.next_block + count > self.num_blocks:
+            self.next_block = 0  # old requests are finished: reuse the pool
+        blocks = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return blocks
+
+    def _step(self, output: SchedulerOutput) -> tuple[float, float, Any]:
+        started = time.perf_counter()
+        self.executor.execute_model(output)
+        result = self.executor.sample_tokens(None)
+        wall = time.perf_counter() - started
+        inside = result.extra["worker_execute_s"] + result.extra["worker_sample_s"]
+        return wall, inside, result
+
+    def prefill_rate(self, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            self.serial += 1
+            rid = f"p{self.serial}"
+            prompt = [(7 * i) % 40000 + 100 for i in range(PREFILL)]
+            new = NewRequestData(rid, prompt, GREEDY, self._blocks(PREFILL + 1))
+            wall, _, _ = self._step(SchedulerOutput(
+                scheduled_new_reqs=[new], scheduled_tokens={rid: prompt},
+                num_computed_tokens={rid: 0}))
+            times.append(wall)
+            self._step(SchedulerOutput(finished_req_ids={rid}))
+        return PREFILL / percentile(times, 50)
+
+    def decode(self, batch: int, steps: int) -> tuple[float, float]:
+        """(tokens/s over the median step, the executor's share of a step)."""
+        rids = []
+        news = []
+        for i in range(batch):
+            self.serial += 1
+            rid = f"d{self.serial}"
+            prompt = [(13 * i + 3 * j) % 40000 + 100 for j in range(PROMPT)]
+            news.append(NewRequestData(rid, prompt, GREEDY, self._blocks(PROMPT + steps + 4)))
+            rids.append(rid)
+        _, _, result = self._step(SchedulerOutput(
+            scheduled_new_reqs=news, scheduled_tokens={n.req_id: n.prompt_token_ids for n in news},
+            num_computed_tokens={rid: 0 for rid in rids}))
+        last = {rid: tokens[0] for rid, tokens in
+                zip(result.req_ids, result.sampled_token_ids, strict=True)}
+        walls, shares = [], []
+        for step in range(steps):
+            # the protocol allows placeholders only without PP
+            tokens = {rid: [PLACEHOLDER_TOKEN_ID if self.pp == 1 else last[rid]] for rid in rids}
+            wall, inside, result = self._step(SchedulerOutput(
+                scheduled_tokens=tokens, num_computed_tokens={rid: PROMPT + step for rid in rids}))
+            last = {rid: t[0] for rid, t in
+                    zip(result.req_ids, result.sampled_token_ids, strict=True)}
+            walls.append(wall)
+            shares.append(max(wall - inside, 0.0) / wall)
+        self._step(SchedulerOutput(finished_req_ids=set(rids)))
+        return batch / percentile(walls, 50), percentile(shares, 50)
+
+    def memory(self) -> tuple[list[int], list[int]]:
+        return (self.executor.collective_rpc(worker_rss),
+                self.executor.collective_rpc(worker_weight_bytes))
+
+
+class Reference:
+    """transformers generate on the same GGUF, in this process."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model.parent, gguf_file=model.name, dtype=torch.float32).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def to(self, dtype: str) -> None:
+        self.model.to(getattr(torch, dtype))
+
+    def _generate(self, batch: int, length: int, new: int) -> list[float]:
+        """Run generate; the times at which each step's logits were ready
+        (a logits processor is called once per step), from the start."""
+        import transformers
+
+        stamps: list[float] = []
+
+        class Clock(transformers.LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                stamps.append(time.perf_counter())
+                return scores
+
+        ids = torch.tensor([[(13 * i + 3 * j) % 40000 + 100 for j in range(length)]
+                            for i in range(batch)])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                logits_processor=transformers.LogitsProcessorList([Clock()]))
+        return [stamp - started for stamp in stamps]
+
+    def decode_rate(self, batch: int, steps: int) -> float:
+        """Tokens/s over the median decode step of generate (steps after the first)."""
+        stamps = self._generate(batch, PROMPT, steps + 1)
+        steps_s = [b - a for a, b in itertools.pairwise(stamps)]
+        return batch / percentile(steps_s, 50)
+
+    def prefill_rate(self) -> float:
+        return PREFILL / percentile([self._generate(1, PREFILL, 1)[0] for _ in range(3)], 50)
+
+
+def stream_bandwidth(threads: int) -> float:
+    """Bytes/s of a streaming read (torch sum over 512 MiB of float32)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    data = torch.ones(128 << 20)
+    data.sum()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    torch.set_num_threads(previous)
+    return data.numel() * 4 / min(times)
+
+
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def progress(row: list[Any]) -> None:
+    """One measured row on stderr as soon as it exists (a long run keeps what it has)."""
+    print("measured:", " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--layouts", default="tp1,tp2,pp2")
+    args = parser.parse_args()
+    from mpexec.models.fetch import resolve_model
+
+    model = resolve_model(args.model)
+    dtypes = args.dtypes.split(",")
+    layouts = args.layouts.split(",")
+    bandwidth = {n: stream_bandwidth(n) for n in (1, 2)}
+    rows: list[list[Any]] = []
+    extras: list[list[Any]] = []
+    reference = Reference(model, args.threads)
+    measured: dict[tuple[str, str], dict[str, float]] = {}
+    for dtype in dtypes:
+        reference.to(dtype)
+        ref = {"b1": reference.decode_rate(1, args.steps),
+               "b16": reference.decode_rate(16, args.steps),
+               "prefill": reference.prefill_rate()}
+        bytes_per_token = reference.weight_bytes * (2 if dtype != "float32" else 4) // 4
+        rows.append([f"transformers {dtype}", f"{ref['b1']:.1f}", f"{ref['b16']:.1f}",
+                     f"{ref['prefill']:.0f}", "1.00x",
+                     f"{bytes_per_token * ref['b1'] / 1e9:.2f}", "-"])
+        progress(rows[-1])
+        for layout in layouts:
+            tp, pp = LAYOUTS[layout]
+            ours = OurModel(model, tp, pp, dtype, args.threads)
+            try:
+                b1, share1 = ours.decode(1, args.steps)
+                b16, share16 = ours.decode(16, args.steps)
+                prefill = ours.prefill_rate()
+                rss, weights = ours.memory()
+            finally:
+                ours.close()
+            measured[(dtype, layout)] = {"b1": b1, "b16": b16}
+            # batch-1 decode reads each rank's weights once per token; ranks read in
+            # parallel (TP) or in turn (PP), so the total is what moves per second
+            rows.append([f"mpexec {layout} {dtype}", f"{b1:.1f}", f"{b16:.1f}", f"{prefill:.0f}",
+                         f"{b1 / ref['b1']:.2f}x", f"{sum(weights) * b1 / 1e9:.2f}",
+                         f"{100 * share1:.2f}% / {100 * share16:.2f}%"])
+            extras.append([f"{layout} {dtype}", " ".join(f"{r / 2**20:.0f}" for r in rss),
+                           " ".join(f"{w / 2**20:.0f}" for w in weights)])
+            progress(rows[-1] + extras[-1][1:])
+    print(render(f"SmolLM2-135M decode/prefill, {args.threads} intra-op thread(s) per process "
+                 f"(streaming read: {bandwidth[1] / 1e9:.1f} GB/s on 1 thread, "
+                 f"{bandwidth[2] / 1e9:.1f} GB/s on 2)",
+                 ["engine", "decode b=1 tok/s", "decode b=16 tok/s", "prefill 512 tok/s",
+                  "b=1 vs transformers", "weights GB/s at b=1", "executor share b=1 / b=16"],
+                 rows))
+    print()
+    print(render("resident memory per worker (MiB) and the weights it holds (MiB)",
+                 ["layout", "VmRSS per rank", "weights per rank"], extras))
+    scaling = []
+    for dtype in dtypes:
+        if (dtype, "tp1") in measured and (dtype, "tp2") in measured:
+            one, two = measured[(dtype, "tp1")], measured[(dtype, "tp2")]
+            scaling.append([dtype, f"{two['b1'] / one['b1']:.2f}x (target 1.3x)",
+                            f"{two['b16'] / one['b16']:.2f}x (target 1.6x)"])
+    if scaling:
+        print()
+        print(render(f"TP=2 vs TP=1 at {args.threads} thread(s) per worker",
+                     ["dtype", "batch 1", "batch 16"], scaling))
+
+
+if __name__ == "__main__":
+    main()
