@@ -449,8 +449,15 @@ def main() -> None:
     parser.add_argument("--only", default="roundtrip,pipelined,future,lifecycle,crashes")
     parser.add_argument("--methods", default="fork,spawn", help="start methods for 5")
     parser.add_argument("--workers", default="1,2,4", help="worker counts for 1 and 2")
+    parser.add_argument("--ray", action="store_true",
+                        help="only the Ray executor's figures (benchmarks/bench_ray.py)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.ray:
+        import bench_ray
+
+        bench_ray.run()
+        return
     only = set(args.only.split(","))
     sizes = [int(n) for n in args.workers.split(",")]
     print(f"mpexec executor benchmark ({SRC}): {os.cpu_count()} CPUs, "

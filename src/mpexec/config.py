@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from mpexec.envs import Envs
 
 START_METHODS = ("fork", "spawn", "forkserver")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
+RAY_CALL_PATHS = ("shm", "ray")
 DEVICE_TYPES = ("cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # A chunk must hold its header and a small call; past 1 GiB a chunk is a
@@ -228,6 +230,15 @@ class ExecutorConfig:
     # (WorkerContext.shared_worker_lock); it lives in /dev/shm, so only on request.
     shared_worker_lock: bool = False
 
+    # executor_backend "ray": the cluster to join (None: start a local Ray and
+    # stop it again), how the workers' placement group spreads over nodes, how
+    # long it may take to be placed, and how calls travel ("shm": mpexec's
+    # shared-memory queues, actors on the driver's node; "ray": actor calls).
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
+    ray_placement_timeout_s: float = 60.0
+    ray_call_path: str = "shm"
+
     # OpenTelemetry spans in this executor and its workers (not process-wide).
     trace: bool = False
     log_level: str = "INFO"
@@ -276,6 +287,15 @@ class ExecutorConfig:
                      MAX_CHUNK_BYTES)
         _require_int("mq_max_chunks", self.mq_max_chunks, 1, MAX_CHUNKS)
         _require_seconds("mq_spin_s", self.mq_spin_s, positive=False, most=1.0)
+        if self.ray_address is not None:
+            _require_str("ray_address", self.ray_address)
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}; "
+                             f"got {self.ray_placement_strategy!r}")
+        _require_seconds("ray_placement_timeout_s", self.ray_placement_timeout_s, positive=True)
+        if self.ray_call_path not in RAY_CALL_PATHS:
+            raise ValueError(f"ray_call_path must be one of {RAY_CALL_PATHS}; "
+                             f"got {self.ray_call_path!r}")
         for name in ("monitor_workers", "aggregate_kv_outputs", "shared_worker_lock", "trace"):
             _require_bool(name, getattr(self, name))
         if self.log_level not in LOG_LEVELS:
@@ -351,6 +371,7 @@ class ExecutorConfig:
             "trace": envs.trace,
             "log_level": envs.logging_level,
             "cluster_secret": envs.cluster_secret,
+            "ray_address": envs.ray_address,
         }
         return cls(**{**defaults, **fields})
 

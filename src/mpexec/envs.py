@@ -28,6 +28,9 @@ MPEXEC_TRACE                             0          OpenTelemetry spans around
                                                     opentelemetry is installed)
 MPEXEC_CLUSTER_SECRET                    (none)     the secret that authenticates
                                                     every frame between nodes
+MPEXEC_RAY_ADDRESS                       (unset)    the Ray cluster the "ray"
+                                                    backend joins (unset: it
+                                                    starts a local one)
 =======================================  =========  ==========================
 """
 
@@ -59,6 +62,7 @@ class Envs:
     logging_level: str = "INFO"
     trace: bool = False
     cluster_secret: str | None = field(default=None, repr=False)
+    ray_address: str | None = None
 
 
 def _parse_bool(text: str) -> bool:
@@ -104,6 +108,10 @@ def _parse_method(text: str) -> str:
     if method not in {"fork", "spawn", "forkserver"}:
         raise ValueError("expected fork, spawn or forkserver")
     return method
+
+
+def _parse_address(text: str) -> str | None:
+    return text.strip() or None
 
 
 def _parse_positive_int(text: str) -> int:
@@ -152,4 +160,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         logging_level=_read(env, "MPEXEC_LOGGING_LEVEL", _parse_level, d.logging_level),
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
         cluster_secret=env.get("MPEXEC_CLUSTER_SECRET") or None,
+        ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
     )

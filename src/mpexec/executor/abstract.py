@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 _BACKENDS = {
     "mp": "mpexec.executor.multiproc:MultiprocExecutor",
     "uni": "mpexec.executor.uniproc:UniProcExecutor",
+    "ray": "mpexec.executor.ray:RayExecutor",
 }
 
 
@@ -48,7 +49,7 @@ class Executor(ABC):
     def get_class(config: ExecutorConfig) -> type[Executor]:
         """The Executor subclass ``config.executor_backend`` names.
 
-        ``"mp"``, ``"uni"``, ``"ray"`` (not available yet), a ``"module:Class"``
+        ``"mp"``, ``"uni"``, ``"ray"`` (needs the ``ray`` extra), a ``"module:Class"``
         name, or an Executor subclass itself.
         """
         backend = config.executor_backend
@@ -60,9 +61,6 @@ class Executor(ABC):
         if not isinstance(backend, str):
             raise TypeError(
                 f"executor_backend must be a name or an Executor subclass; got {backend!r}")
-        if backend == "ray":
-            raise NotImplementedError(
-                "executor_backend 'ray': the Ray backend is not available yet; use 'mp'")
         spec = _BACKENDS.get(backend, backend)
         module_name, sep, qualname = spec.partition(":")
         if not sep:

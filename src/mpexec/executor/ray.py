@@ -1,0 +1,418 @@
+"""RayExecutor: the same executor, its workers Ray actors in a placement group.
+
+::
+
+    driver (RayExecutor)                          actor r (ray_actor.RayWorkerActor)
+    --------------------                          ----------------------------------
+    RaySession.open, place_workers (ray_cluster)
+    actor r created in bundle r  ------------->   start(): worker_cls(context), init_device,
+                                                  load_model (+ queues on the "shm" path)
+    wait_exit() in group "supervise" ------->     blocks while the actor lives
+    watcher thread: ray.wait(liveness refs)       (resolves with an error when it dies)
+
+Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
+
+``"shm"`` (default)
+    Ray only places and supervises the actors; calls are broadcast through
+    mpexec's shared-memory ring and replies come back on each actor's reply
+    queue, exactly as for worker processes (``serve()`` runs WorkerProc's
+    busy loop).  Every actor must be on the driver's node.
+``"ray"``
+    each call is one ``actor.execute.remote(call)`` per actor (the call
+    ``ray.put`` once when there are several actors) and each reply is read
+    with ``ray.get``; works wherever the actors are.
+
+Either way the calls in flight are the same ``CallOrder`` as for
+MultiprocExecutor (only the reply reader differs), so ordering, deadlines,
+``non_block`` futures, typed ``WorkerError`` and stats are the same code;
+and the actors are ``WorkerHandle``s of the same ``Lifecycle``, so failure
+and teardown follow the same table.  A dead actor (killed, its node lost,
+raised in start-up) is seen by the watcher (its liveness ref fails) or by a
+reader (``ray.get`` fails, or its queue closes): the executor fails once,
+every call gets ``WorkerDiedError`` naming the rank and the node, and the
+failure callbacks run once.  ``shutdown()``: the workers' own shutdown
+(bounded by ``shutdown_grace_s``), ``ray.kill`` every actor, remove the
+placement group, stop Ray if this executor started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from functools import partial
+from typing import Any
+
+from mpexec.config import ExecutorConfig
+from mpexec.errors import QueueClosedError, WorkerStartupError
+from mpexec.executor.futures import CallOrder
+from mpexec.executor.launch import handshake
+from mpexec.executor.lifecycle import Lifecycle, State
+from mpexec.executor.multiproc import MultiprocExecutor
+from mpexec.executor.protocol import Reply, capture_failure
+from mpexec.executor.ray_actor import SUPERVISE_GROUP, RayWorkerActor
+from mpexec.executor.ray_cluster import RaySession, bundles_for, place_workers, remove_group
+from mpexec.executor.spec import PortReservation, worker_contexts
+from mpexec.ipc import MessageQueue
+
+logger = logging.getLogger(__name__)
+
+_READ_SLICE_S = 0.1    # a "ray" path reader rechecks the executor's state this often
+_WATCH_SLICE_S = 0.2
+
+
+class RayWorkerHandle:
+    """One actor as the lifecycle sees a worker (``launcher.WorkerHandle``)."""
+
+    exitcode = None
+    ready_conn = None
+    death_fd = -1
+
+    def __init__(self, ray: Any, rank: int, actor: Any) -> None:
+        self.ray = ray
+        self.rank = rank
+        self.actor = actor
+        self.liveness = actor.wait_exit.options(concurrency_group=SUPERVISE_GROUP).remote()
+        self.pid: int | None = None
+        self.node_id = "?"
+
+    @property
+    def name(self) -> str:
+        return f"RayWorker-{self.rank}"
+
+    def is_alive(self) -> bool:
+        ready, _ = self.ray.wait([self.liveness], timeout=0)
+        return not ready
+
+    def why_gone(self) -> str:
+        """The node and Ray's reason, for WorkerDiedError."""
+        where = f"the Ray actor on node {self.node_id}"
+        if self.is_alive():
+            return f"{where} closed its queues"
+        try:
+            self.ray.get(self.liveness, timeout=0)
+        except Exception as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = next((line for line in lines if "exit detail" in line.lower()),
+                          lines[0] if lines else "")
+            return f"{where} is gone ({type(exc).__name__}: {detail})"
+        return f"{where} exited"
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        try:
+            self.ray.kill(self.actor, no_restart=True)
+        except Exception:
+            logger.debug("ray.kill(%s) failed", self.name, exc_info=True)
+
+    def join(self, timeout: float | None) -> None:
+        self.ray.wait([self.liveness], timeout=timeout)
+
+    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
+        return None
+
+    def describe_exit(self) -> str:
+        return self.why_gone()
+
+    def close_ready(self) -> None:
+        pass
+
+    def close_death_pipe(self) -> None:
+        self.kill()  # an actor has no death pipe: ending it is the message
+
+    def end_group(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
+
+
+class RayReplies:
+    """The reply reader of the "ray" path: each rank's refs, in call order."""
+
+    def __init__(self, executor: RayExecutor) -> None:
+        # The lifecycle holds this reader: a weak reference back keeps the
+        # executor collectable.
+        self_ref = weakref.ref(executor)
+
+        def closed_error(rank: int, exc: QueueClosedError) -> Exception:
+            owner = self_ref()
+            return exc if owner is None else owner._closed_error(rank, exc)
+
+        self._closed_error = closed_error
+        self._life = executor.lifecycle
+        self.ray: Any = None
+        self._actors: list[Any] = []
+        self._refs: list[deque[Any]] = []
+
+    def attach(self, ray: Any, handles: list[RayWorkerHandle]) -> None:
+        self.ray = ray
+        self._actors = [h.actor for h in handles]
+        self._refs = [deque() for _ in handles]
+
+    def submit(self, message: tuple[Any, ...]) -> None:
+        call_id, output_rank = message[0], message[4]
+        # One copy in the object store for every actor, not one per actor.
+        payload = self.ray.put(message) if len(self._actors) > 1 else message
+        for rank, actor in enumerate(self._actors):
+            ref = actor.execute.remote(payload)
+            if output_rank is None or output_rank == rank:
+                self._refs[rank].append((call_id, ref))
+
+    def read_reply(self, rank: int, timeout: float | None) -> Reply:
+        ray, queue = self.ray, self._refs[rank]
+        if not queue:
+            raise RuntimeError(f"rank {rank}: no call waits for a reply")
+        call_id, ref = queue[0]
+        if ref is None:  # a reply put back (unread_reply)
+            return queue.popleft()[2]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._life.state not in (State.READY, State.STARTING):
+                raise self._life.closed_error()
+            wait_s = _READ_SLICE_S if deadline is None else min(
+                _READ_SLICE_S, max(0.0, deadline - time.monotonic()))
+            try:
+                reply: Reply = ray.get(ref, timeout=wait_s)
+            except ray.exceptions.GetTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"rank {rank}: no reply to call {call_id}") from None
+                continue
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                raise self._closed_error(rank, QueueClosedError(str(exc))) from exc
+            except ray.exceptions.RayError as exc:  # e.g. the result could not be sent
+                queue.popleft()
+                cause = getattr(exc, "cause", None)
+                return (call_id, False, capture_failure(
+                    cause if isinstance(cause, BaseException) else exc,
+                    "the result cannot be sent"))
+            queue.popleft()
+            return reply
+
+    def unread_reply(self, rank: int, reply: Reply) -> None:
+        self._refs[rank].appendleft((reply[0], None, reply))
+
+
+class RayExecutor(MultiprocExecutor):
+    """The executor interface on Ray; see the module docstring."""
+
+    supports_pp = True
+    uses_ray = True
+
+    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        self.call_path = config.ray_call_path
+        self.session: RaySession | None = None
+        self.placement_group: Any = None
+        self._ray_state = _RayState(config)
+        super().__init__(config, monitor_workers)
+
+    def _init_executor(self) -> None:
+        config, life, state = self.config, self.lifecycle, self._ray_state
+        if self.parallel_config.nnodes_within_dp > 1:
+            raise NotImplementedError("executor_backend 'ray' places workers on nodes itself: "
+                                      "leave nnodes at 1 (per data parallel rank)")
+        if config.shared_worker_lock:
+            raise ValueError("shared_worker_lock is not available with executor_backend 'ray'")
+        # The actors are handles of the same lifecycle; the finalizer also
+        # ends what Ray holds (placement group, a Ray this executor started).
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, partial(_close, life, state))
+        if self.call_path == "ray":
+            self.replies = RayReplies(self)  # type: ignore[assignment]
+            self.calls = life.calls = CallOrder(self.replies)
+            self.calls.stats = self.call_stats
+        deadline = time.monotonic() + config.startup_timeout_s
+        try:
+            self._start_actors(deadline)
+            state.start_watcher(life)
+            life.mark_ready()
+            self._post_init_executor()
+        except BaseException:
+            self._finalizer()
+            raise
+        if life.port is not None:
+            life.port.close()
+
+    def _start_actors(self, deadline: float) -> None:
+        config, life, state = self.config, self.lifecycle, self._ray_state
+        session = self.session = state.session = RaySession.open(config.ray_address)
+        ray = session.ray
+        group = self.placement_group = state.group = place_workers(
+            session, bundles_for(self.world_size, config.device_type),
+            config.ray_placement_strategy, config.ray_placement_timeout_s)
+        life.port = PortReservation(self.parallel_config.master_addr,
+                                    self.parallel_config.master_port)
+        handle = None
+        if self.call_path == "shm":
+            mq = MessageQueue(self.world_size, self.world_size,
+                              max_chunk_bytes=config.mq_max_chunk_bytes,
+                              max_chunks=config.mq_max_chunks, name="broadcast",
+                              spin_s=config.mq_spin_s)
+            self.rpc_broadcast_mq = mq
+            life.queues.append(mq)
+            handle = mq.export_handle()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if config.device_type == "cuda" else 0
+        actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0,
+                               concurrency_groups={SUPERVISE_GROUP: 1})(RayWorkerActor)
+        handles: list[RayWorkerHandle] = []
+        for ctx in worker_contexts(config, life.port.init_method):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=ctx.local_rank)
+            actor = actor_cls.options(scheduling_strategy=strategy).remote(
+                ctx, handle, os.getpid())
+            handles.append(RayWorkerHandle(ray, ctx.rank, actor))
+            life.handles.append(handles[-1])
+        reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s)
+        if self.call_path == "ray":
+            assert isinstance(self.replies, RayReplies)
+            self.replies.attach(ray, handles)
+            return
+        here = session.node_id
+        for h in handles:
+            if h.node_id != here:
+                raise WorkerStartupError(
+                    f"worker rank {h.rank} was placed on node {h.node_id}, not the driver's "
+                    f"({here}): ray_call_path 'shm' needs every worker on the driver's node; "
+                    "use ray_call_path='ray'", rank=h.rank)
+        for reply_handle in reply_handles:
+            reply_mq = MessageQueue.create_from_handle(reply_handle, 0, spin_s=config.mq_spin_s)
+            self.response_mqs.append(reply_mq)
+            life.queues.append(reply_mq)
+        self.replies.attach(self.response_mqs, self.calls.lock)
+        state.serve_refs = [h.actor.serve.remote() for h in handles]
+        assert self.rpc_broadcast_mq is not None
+        handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s)
+
+    # -- failure ------------------------------------------------------------------
+
+    def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
+        life = self.lifecycle
+        if life.state in (State.READY, State.STARTING):
+            handle: Any = self._dead_worker(rank, exc)
+            if handle is not None and life.worker_died(handle, handle.why_gone()):
+                threading.Thread(target=self._after_death, daemon=True).start()
+        return life.closed_error()
+
+    # -- calls ----------------------------------------------------------------------
+
+    def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
+        if self.call_path == "shm":
+            super()._broadcast(message, deadline, name)
+            return
+        assert isinstance(self.replies, RayReplies)
+        self.replies.submit(message)
+
+
+def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,
+                  timeout_s: float) -> list[Any]:
+    """Each actor's ``start()``: its reply handle (None on the "ray" path), in rank order."""
+    pending = {h.actor.start.remote(): h for h in handles}
+    started: dict[int, Any] = {}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = ", ".join(str(h.rank) for h in pending.values())
+            raise WorkerStartupError(f"worker rank(s) {late} did not report READY within "
+                                     f"{timeout_s:g}s (startup_timeout_s)")
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+        for ref in done:
+            h = pending.pop(ref)
+            try:
+                h.pid, h.node_id, started[h.rank] = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None) or exc
+                error = WorkerStartupError(
+                    f"worker rank {h.rank} failed during start-up with "
+                    f"{type(cause).__name__}: {cause}", rank=h.rank, remote_traceback=str(exc))
+                error.__cause__ = cause
+                raise error from None
+            except ray.exceptions.RayError as exc:
+                raise WorkerStartupError(f"worker rank {h.rank} died during start-up: "
+                                         f"{h.why_gone()}", rank=h.rank) from exc
+    return [started[h.rank] for h in handles]
+
+
+class _RayState:
+    """What the finalizer ends besides the lifecycle (no executor reference)."""
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.call_path = config.ray_call_path
+        self.grace_s = config.shutdown_grace_s
+        self.session: RaySession | None = None
+        self.group: Any = None
+        self.serve_refs: list[Any] = []
+        self.watcher: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    def start_watcher(self, life: Lifecycle) -> None:
+        assert self.session is not None
+        handles: list[Any] = list(life.handles)
+        ray, stop = self.session.ray, self.stop
+
+        def watch() -> None:
+            by_ref = {h.liveness: h for h in handles}
+            while not stop.is_set():
+                ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
+                if ready:
+                    handle = by_ref[ready[0]]
+                    if life.worker_died(handle, handle.why_gone()):
+                        life.fire_callbacks()
+                        life.teardown()
+                    return
+
+        self.watcher = threading.Thread(target=watch, daemon=True, name="RayWorkerMonitor")
+        self.watcher.start()
+
+    def end_workers_gently(self, life: Lifecycle) -> None:
+        """Let every worker run its own shutdown(), within the grace period."""
+        assert self.session is not None
+        ray = self.session.ray
+        if self.call_path == "shm":
+            for mq in life.queues[:1]:
+                mq.shutdown()  # the broadcast queue: each serve() leaves its loop
+            refs = self.serve_refs
+        else:
+            refs = [h.actor.shutdown_worker.remote() for h in life.handles]  # type: ignore
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.grace_s)
+
+    def close(self) -> None:
+        self.stop.set()
+        watcher = self.watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(2 * _WATCH_SLICE_S + 5.0)
+        if self.group is not None:
+            remove_group(self.group)
+            self.group = None
+        if self.session is not None:
+            self.session.close()
+
+
+def _close(life: Lifecycle, state: _RayState) -> None:
+    if os.getpid() != life.owner_pid:
+        return
+    with life.lock:
+        orderly = life.state is State.READY
+        if life.state is not State.FAILED:
+            life.state = State.CLOSED
+            life.usable = False
+    if orderly:
+        try:
+            state.end_workers_gently(life)
+        except Exception:
+            logger.debug("the workers' own shutdown failed", exc_info=True)
+    life.close()
+    state.close()
+
+
+__all__ = ["RayExecutor"]

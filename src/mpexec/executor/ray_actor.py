@@ -1,0 +1,126 @@
+"""The worker side of RayExecutor: one :class:`RayWorkerActor` per Ray actor.
+
+``ray.py`` turns this plain class into a Ray actor class (``ray.remote``)
+when the executor starts, so importing this module never imports Ray.  The
+actor hosts the same pieces a worker process does::
+
+    start()            build the worker from its WorkerContext, init_device,
+                       load_model; on the "shm" path also attach the broadcast
+                       queue and create the reply queue (WorkerProc does all of
+                       it); returns (pid, node id, reply handle or None)
+    serve()            "shm" path: the queue handshake, then WorkerProc's busy
+                       loop until the driver closes the broadcast queue
+    execute(call)      "ray" path: run one Call, return its Reply
+    shutdown_worker()  the worker's own shutdown() (an orderly end)
+    wait_exit()        never returns while the actor lives: the driver's
+                       liveness probe (it runs in its own concurrency group,
+                       so it does not block the calls)
+
+Calls and replies have exactly the shapes of ``protocol`` (``Call`` in,
+``Reply`` out, failures as ``RemoteFailure``), so the driver decodes them
+with the same code as for worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from functools import partial
+from typing import Any, cast
+
+import cloudpickle
+
+from mpexec.errors import QueueClosedError
+from mpexec.executor.context import WorkerContext
+from mpexec.executor.protocol import Reply, capture_failure
+from mpexec.executor.spec import WorkerSpec
+from mpexec.executor.tracing import Tracer
+from mpexec.executor.worker_base import WorkerWrapperBase
+from mpexec.executor.worker_proc import WorkerProc
+from mpexec.ipc import Handle
+from mpexec.outputs import AsyncModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+SUPERVISE_GROUP = "supervise"
+
+
+class RayWorkerActor:
+    """One worker inside a Ray actor; see the module docstring."""
+
+    def __init__(self, context: WorkerContext, broadcast_handle: Handle | None,
+                 driver_pid: int) -> None:
+        self.context = context
+        self.broadcast_handle = broadcast_handle
+        self.driver_pid = driver_pid
+        self.proc: WorkerProc | None = None
+        self.wrapper: WorkerWrapperBase | None = None
+        self._exit = threading.Event()
+
+    def start(self) -> tuple[int, str, Handle | None]:
+        import ray  # only ever runs inside a Ray worker
+
+        node_id = ray.get_runtime_context().get_node_id()
+        ctx = self.context
+        if self.broadcast_handle is None:
+            wrapper = WorkerWrapperBase(rpc_rank=ctx.local_rank, global_rank=ctx.rank)
+            wrapper.init_worker_from_context(ctx)
+            wrapper.init_device()
+            wrapper.load_model()
+            self.wrapper = wrapper
+            return os.getpid(), node_id, None
+        # WorkerProc reads only the context, the broadcast handle and the
+        # settings of its spec: an actor has no ready or death pipe (Ray
+        # reports start-up and death to the driver itself).
+        spec = WorkerSpec(context=ctx, broadcast_handle=self.broadcast_handle,
+                          ready_pipe=cast(Any, None), death_pipe=cast(Any, None),
+                          driver_pid=self.driver_pid, parent_death_signal=False)
+        self.proc = WorkerProc(spec, Tracer.create(False, f"Worker_{ctx.rank}"),
+                               threading.Event())
+        self.wrapper = self.proc.worker
+        assert self.proc.worker_response_mq is not None
+        return os.getpid(), node_id, self.proc.worker_response_mq.export_handle()
+
+    # -- the "shm" path ------------------------------------------------------------
+
+    def serve(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.rpc_broadcast_mq is not None
+        assert proc.worker_response_mq is not None
+        try:
+            # The driver's order: broadcast queue first, then the reply queues.
+            proc.rpc_broadcast_mq.wait_until_ready()
+            proc.worker_response_mq.wait_until_ready()
+            proc.worker_busy_loop()
+        except QueueClosedError:
+            logger.debug("rank %d: the driver closed the queues", self.context.rank)
+        finally:
+            proc.shutdown()
+
+    # -- the "ray" path ------------------------------------------------------------
+
+    def execute(self, call: tuple[Any, ...]) -> Reply:
+        call_id, method, args, kwargs, _output_rank = call
+        wrapper = self.wrapper
+        assert wrapper is not None
+        try:
+            if isinstance(method, str):
+                func = wrapper.resolve(method)
+            else:
+                func = partial(cloudpickle.loads(method), wrapper)
+            output = func(*args, **kwargs)
+            if isinstance(output, AsyncModelRunnerOutput):
+                output = output.get_output()
+        except (Exception, SystemExit) as exc:
+            return (call_id, False, capture_failure(exc))
+        return (call_id, True, output)
+
+    def shutdown_worker(self) -> None:
+        if self.wrapper is not None and self.proc is None:
+            self.wrapper.shutdown()
+
+    # -- supervision ------------------------------------------------------------------
+
+    def wait_exit(self) -> None:
+        self._exit.wait()

@@ -1,0 +1,228 @@
+"""RayExecutor on a real local Ray (num_cpus=2): the executor conformance cases.
+
+Ray is started once for the module (it takes seconds on a busy machine) and
+every executor joins it, so none of them stops it; the module's teardown
+checks that nothing is left: no live actors, no placement groups, and no
+Ray processes once it has stopped Ray.  Both call paths run the same cases.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from tests.executor.conftest import make_config
+
+from mpexec.errors import WorkerDiedError, WorkerError, WorkerStartupError
+from mpexec.executor import Executor
+from mpexec.outputs import ModelRunnerOutput, SchedulerOutput
+
+ray = pytest.importorskip("ray")
+
+from mpexec.executor.ray import RayExecutor  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+PATHS = ["shm", "ray"]
+
+
+def ray_processes() -> set[int]:
+    """Ray's own daemons and workers on this machine (by their command line)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"ray/core/src/ray" in cmdline or cmdline.startswith(b"ray::"):
+            found.add(int(entry))
+    return found
+
+
+def live_actors() -> list[Any]:
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if a["State"] != "DEAD"]
+
+
+def live_groups() -> list[Any]:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    before = ray_processes()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    assert live_actors() == [] and live_groups() == []
+    ray.shutdown()
+    deadline = 30.0
+    import time
+
+    end = time.monotonic() + deadline
+    while ray_processes() - before and time.monotonic() < end:
+        time.sleep(0.2)
+    assert ray_processes() - before == set()
+
+
+@pytest.fixture
+def made() -> Iterator[list[RayExecutor]]:
+    executors: list[RayExecutor] = []
+    yield executors
+    for executor in executors:
+        executor.shutdown()
+    assert live_actors() == [] and live_groups() == []
+
+
+def start(made: list[RayExecutor], path: str, tp: int = 2, pp: int = 1,
+          **fields: Any) -> RayExecutor:
+    config = make_config(tp, pp, executor_backend="ray", ray_call_path=path, device_type="cpu",
+                         **fields)
+    executor = Executor.get_class(config)(config)
+    assert isinstance(executor, RayExecutor)
+    made.append(executor)
+    return executor
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_calls_results_errors_and_stats(made: list[RayExecutor], path: str) -> None:
+    ex = start(made, path)
+    assert ex.uses_ray and ex.supports_pp
+    ranks = ex.collective_rpc("whoami")
+    assert [r[:2] for r in ranks] == [(0, 0), (1, 1)]
+    assert [r[2] for r in ranks] == [w.pid for w in ex.workers]
+    assert ex.collective_rpc(lambda worker: worker.rank * 10) == [0, 10]
+    assert ex.collective_rpc("add", args=(1,), kwargs={"b": 2}, unique_reply_rank=1) == 4
+    assert ex.collective_rpc("echo", args=("x",), non_block=True).result(timeout=30) == ["x", "x"]
+    with pytest.raises(WorkerError, match="boom") as info:
+        ex.collective_rpc("raise_custom", args=("boom",))
+    assert info.value.rank == 0 and type(info.value.__cause__).__name__ == "CustomError"
+    with pytest.raises(WorkerError):
+        ex.collective_rpc("return_unpicklable")
+    with pytest.raises(TimeoutError):
+        ex.collective_rpc("sleep", args=(3.0,), timeout=0.5)
+    assert ex.collective_rpc("echo", args=(7,)) == [7, 7]  # the late reply is dropped
+    ex.check_health()
+    stats = ex.stats()
+    # A future's call is recorded just after its result is set: it may lag here.
+    assert stats["echo"].calls >= 1 and stats["whoami"].calls == 1
+    assert stats["raise_custom"].failures == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_pipeline_stages_and_step_methods(made: list[RayExecutor], path: str) -> None:
+    ex = start(made, path, tp=1, pp=2)
+    assert ex.output_rank == 1 and ex.max_concurrent_batches == 2
+    out = ex.execute_model(SchedulerOutput(step=3, scheduled_tokens={"r": [1]}))
+    assert isinstance(out, ModelRunnerOutput) and out.sampled_token_ids == [[1, 3]]
+    assert ex.sample_tokens(None).sampled_token_ids == [[1]]
+    assert ex.take_draft_token_ids().draft_token_ids == [[1]]
+
+
+@pytest.mark.parametrize(("path", "calls"), [("shm", 10_000), ("ray", 2_000)])
+def test_pipelined_non_block_calls_resolve_in_order(made: list[RayExecutor], path: str,
+                                                    calls: int) -> None:
+    ex = start(made, path, mq_max_chunks=4)
+    futures = [ex.collective_rpc("echo", args=(i,), non_block=True) for i in range(calls)]
+    assert futures[-1].result(timeout=150) == [calls - 1] * 2
+    assert [f.result(timeout=0)[0] for f in futures] == list(range(calls))
+
+
+@pytest.mark.parametrize(("path", "how"), [("shm", "pid"), ("shm", "ray.kill"),
+                                           ("ray", "pid"), ("ray", "ray.kill")])
+def test_actor_killed_mid_call(made: list[RayExecutor], path: str, how: str) -> None:
+    ex = start(made, path)
+    fired: list[int] = []
+    done = threading.Event()
+    ex.register_failure_callback(lambda: (fired.append(1), done.set()))
+    pending = ex.collective_rpc("sleep", args=(60.0,), non_block=True)
+    victim = ex.workers[1]
+    if how == "pid":
+        os.kill(victim.pid, signal.SIGKILL)
+    else:
+        ray.kill(victim.actor)
+    with pytest.raises(WorkerDiedError, match="rank 1") as info:
+        pending.result(timeout=60)
+    assert "node" in str(info.value) and info.value.rank == 1
+    assert done.wait(30) and ex.is_failed
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        ex.collective_rpc("echo", args=(1,))
+    ex.shutdown()
+    assert fired == [1]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_worker_constructor_failure(made: list[RayExecutor], path: str) -> None:
+    with pytest.raises(WorkerStartupError, match=r"rank 1.*boom in init"):
+        start(made, path, worker_kwargs={"fail_at": "init:raise", "fail_rank": 1})
+    assert live_actors() == [] and live_groups() == []
+
+
+def test_actor_process_exits_during_start(made: list[RayExecutor]) -> None:
+    with pytest.raises(WorkerStartupError, match=r"rank 0 died during start-up.*node"):
+        start(made, "shm", worker_kwargs={"fail_at": "load_model:exit", "fail_rank": 0})
+    assert live_actors() == [] and live_groups() == []
+
+
+def test_unsatisfiable_placement_group_names_the_missing_cpus(made: list[RayExecutor]) -> None:
+    with pytest.raises(WorkerStartupError, match=r"within 1s.*CPU 3 needed, 2 in the cluster"):
+        start(made, "shm", tp=3, ray_placement_timeout_s=1.0)
+    assert live_groups() == []
+
+
+@pytest.mark.torch
+def test_model_worker_at_tp2_gives_the_tokens_of_mp(made: list[RayExecutor],
+                                                    tmp_path_factory: pytest.TempPathFactory
+                                                    ) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from tests.models.model_run_driver import StepDriver, make_executor
+
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.outputs import SamplingParams
+
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+    g = torch.Generator().manual_seed(11)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    requests = {f"r{i}": (torch.randint(4, 389, (5 + 4 * i,), generator=g).tolist(), greedy)
+                for i in range(2)}
+    runs = {}
+    for backend in ("mp", "ray"):
+        with make_executor(checkpoint, tp=2, backend=backend) as executor:
+            if backend == "ray":
+                assert isinstance(executor, RayExecutor)
+            runs[backend] = StepDriver(executor).generate(requests)
+    assert {rid: run.output for rid, run in runs["ray"].items()} == {
+        rid: run.output for rid, run in runs["mp"].items()}
+    assert all(len(run.output) == 8 for run in runs["ray"].values())
+
+
+@pytest.mark.slow
+def test_an_executor_without_ray_starts_and_stops_its_own() -> None:
+    """In a fresh interpreter (this one runs the module's Ray): after shutdown()
+    the Ray the executor started is stopped and its processes are gone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, time, ray
+        from tests.executor.conftest import make_config
+        from mpexec.executor import Executor
+        cfg = make_config(2, executor_backend="ray", device_type="cpu", startup_timeout_s=120.0)
+        ex = Executor.get_class(cfg)(cfg)
+        assert ex.session.started and ex.collective_rpc("echo", args=(5,)) == [5, 5]
+        ex.shutdown()
+        assert not ray.is_initialized()
+        print("ok", os.getpid())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=170, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "ok"  # its Ray processes: the module teardown checks
