@@ -16,11 +16,13 @@ Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
     Ray only places and supervises the actors; calls are broadcast through
     mpexec's shared-memory ring and replies come back on each actor's reply
     queue, exactly as for worker processes (``serve()`` runs WorkerProc's
-    busy loop).  Every actor must be on the driver's node.
+    busy loop).  Actors on the driver's Ray node read shared memory, actors
+    on other Ray nodes the same queues over the network (remote readers,
+    authenticated with a per-executor secret; see ``ray_queues``).
 ``"ray"``
     each call is one ``actor.execute.remote(call)`` per actor (the call
     ``ray.put`` once when there are several actors) and each reply is read
-    with ``ray.get``; works wherever the actors are.
+    with ``ray.get`` (``ray_replies``); works wherever the actors are.
 
 Either way the calls in flight are the same ``CallOrder`` as for
 MultiprocExecutor (only the reply reader differs), so ordering, deadlines,
@@ -42,7 +44,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from functools import partial
 from typing import Any
 
@@ -52,15 +53,14 @@ from mpexec.executor.futures import CallOrder
 from mpexec.executor.launch import handshake
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.multiproc import MultiprocExecutor
-from mpexec.executor.protocol import Reply, capture_failure
 from mpexec.executor.ray_actor import SUPERVISE_GROUP, RayWorkerActor
 from mpexec.executor.ray_cluster import RaySession, bundles_for, place_workers, remove_group
+from mpexec.executor.ray_queues import broadcast_queue, plan_queues, reply_queue
+from mpexec.executor.ray_replies import RayReplies
 from mpexec.executor.spec import PortReservation, worker_contexts
-from mpexec.ipc import MessageQueue
 
 logger = logging.getLogger(__name__)
 
-_READ_SLICE_S = 0.1    # a "ray" path reader rechecks the executor's state this often
 _WATCH_SLICE_S = 0.2
 
 
@@ -135,72 +135,6 @@ class RayWorkerHandle:
         return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
 
 
-class RayReplies:
-    """The reply reader of the "ray" path: each rank's refs, in call order."""
-
-    def __init__(self, executor: RayExecutor) -> None:
-        # The lifecycle holds this reader: a weak reference back keeps the
-        # executor collectable.
-        self_ref = weakref.ref(executor)
-
-        def closed_error(rank: int, exc: QueueClosedError) -> Exception:
-            owner = self_ref()
-            return exc if owner is None else owner._closed_error(rank, exc)
-
-        self._closed_error = closed_error
-        self._life = executor.lifecycle
-        self.ray: Any = None
-        self._actors: list[Any] = []
-        self._refs: list[deque[Any]] = []
-
-    def attach(self, ray: Any, handles: list[RayWorkerHandle]) -> None:
-        self.ray = ray
-        self._actors = [h.actor for h in handles]
-        self._refs = [deque() for _ in handles]
-
-    def submit(self, message: tuple[Any, ...]) -> None:
-        call_id, output_rank = message[0], message[4]
-        # One copy in the object store for every actor, not one per actor.
-        payload = self.ray.put(message) if len(self._actors) > 1 else message
-        for rank, actor in enumerate(self._actors):
-            ref = actor.execute.remote(payload)
-            if output_rank is None or output_rank == rank:
-                self._refs[rank].append((call_id, ref))
-
-    def read_reply(self, rank: int, timeout: float | None) -> Reply:
-        ray, queue = self.ray, self._refs[rank]
-        if not queue:
-            raise RuntimeError(f"rank {rank}: no call waits for a reply")
-        call_id, ref = queue[0]
-        if ref is None:  # a reply put back (unread_reply)
-            return queue.popleft()[2]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._life.state not in (State.READY, State.STARTING):
-                raise self._life.closed_error()
-            wait_s = _READ_SLICE_S if deadline is None else min(
-                _READ_SLICE_S, max(0.0, deadline - time.monotonic()))
-            try:
-                reply: Reply = ray.get(ref, timeout=wait_s)
-            except ray.exceptions.GetTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"rank {rank}: no reply to call {call_id}") from None
-                continue
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                raise self._closed_error(rank, QueueClosedError(str(exc))) from exc
-            except ray.exceptions.RayError as exc:  # e.g. the result could not be sent
-                queue.popleft()
-                cause = getattr(exc, "cause", None)
-                return (call_id, False, capture_failure(
-                    cause if isinstance(cause, BaseException) else exc,
-                    "the result cannot be sent"))
-            queue.popleft()
-            return reply
-
-    def unread_reply(self, rank: int, reply: Reply) -> None:
-        self._refs[rank].appendleft((reply[0], None, reply))
-
-
 class RayExecutor(MultiprocExecutor):
     """The executor interface on Ray; see the module docstring."""
 
@@ -250,13 +184,10 @@ class RayExecutor(MultiprocExecutor):
             config.ray_placement_strategy, config.ray_placement_timeout_s)
         life.port = PortReservation(self.parallel_config.master_addr,
                                     self.parallel_config.master_port)
-        handle = None
+        handle = plan = None
         if self.call_path == "shm":
-            mq = MessageQueue(self.world_size, self.world_size,
-                              max_chunk_bytes=config.mq_max_chunk_bytes,
-                              max_chunks=config.mq_max_chunks, name="broadcast",
-                              spin_s=config.mq_spin_s)
-            self.rpc_broadcast_mq = mq
+            plan = plan_queues(ray, group, session.node_id, self.world_size, config)
+            mq = self.rpc_broadcast_mq = broadcast_queue(config, plan)
             life.queues.append(mq)
             handle = mq.export_handle()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -269,23 +200,21 @@ class RayExecutor(MultiprocExecutor):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
             actor = actor_cls.options(scheduling_strategy=strategy).remote(
-                ctx, handle, os.getpid())
+                ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank))
             handles.append(RayWorkerHandle(ray, ctx.rank, actor))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s)
-        if self.call_path == "ray":
+        if plan is None:
             assert isinstance(self.replies, RayReplies)
             self.replies.attach(ray, handles)
             return
-        here = session.node_id
         for h in handles:
-            if h.node_id != here:
+            if h.node_id != plan.rank_nodes[h.rank]:  # Ray broke the bundle's pinning
                 raise WorkerStartupError(
-                    f"worker rank {h.rank} was placed on node {h.node_id}, not the driver's "
-                    f"({here}): ray_call_path 'shm' needs every worker on the driver's node; "
-                    "use ray_call_path='ray'", rank=h.rank)
+                    f"worker rank {h.rank} runs on node {h.node_id}, not on its bundle's "
+                    f"node {plan.rank_nodes[h.rank]}", rank=h.rank)
         for reply_handle in reply_handles:
-            reply_mq = MessageQueue.create_from_handle(reply_handle, 0, spin_s=config.mq_spin_s)
+            reply_mq = reply_queue(config, plan, reply_handle)
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)

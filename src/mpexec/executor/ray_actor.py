@@ -7,7 +7,9 @@ actor hosts the same pieces a worker process does::
     start()            build the worker from its WorkerContext, init_device,
                        load_model; on the "shm" path also attach the broadcast
                        queue and create the reply queue (WorkerProc does all of
-                       it); returns (pid, node id, reply handle or None)
+                       it; remote ends for an actor off the driver's Ray node,
+                       as ``queues`` says, see ``ray_queues``); returns
+                       (pid, node id, reply handle or None)
     serve()            "shm" path: the queue handshake, then WorkerProc's busy
                        loop until the driver closes the broadcast queue
     execute(call)      "ray" path: run one Call, return its Reply
@@ -34,6 +36,7 @@ import cloudpickle
 from mpexec.errors import QueueClosedError
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.protocol import Reply, capture_failure
+from mpexec.executor.ray_queues import ActorQueues
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.worker_base import WorkerWrapperBase
@@ -50,10 +53,11 @@ class RayWorkerActor:
     """One worker inside a Ray actor; see the module docstring."""
 
     def __init__(self, context: WorkerContext, broadcast_handle: Handle | None,
-                 driver_pid: int) -> None:
+                 driver_pid: int, queues: ActorQueues | None = None) -> None:
         self.context = context
         self.broadcast_handle = broadcast_handle
         self.driver_pid = driver_pid
+        self.queues = queues or ActorQueues()
         self.proc: WorkerProc | None = None
         self.wrapper: WorkerWrapperBase | None = None
         self._exit = threading.Event()
@@ -75,7 +79,9 @@ class RayWorkerActor:
         # reports start-up and death to the driver itself).
         spec = WorkerSpec(context=ctx, broadcast_handle=self.broadcast_handle,
                           ready_pipe=cast(Any, None), death_pipe=cast(Any, None),
-                          driver_pid=self.driver_pid, parent_death_signal=False)
+                          driver_pid=self.driver_pid, parent_death_signal=False,
+                          reply_connect_ip=self.queues.reply_connect_ip,
+                          cluster_secret=self.queues.cluster_secret)
         self.proc = WorkerProc(spec, Tracer.create(False, f"Worker_{ctx.rank}"),
                                threading.Event())
         self.wrapper = self.proc.worker
