@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -69,11 +69,14 @@ def open_fds() -> dict[int, str]:
     return fds
 
 
-def shm_entries() -> set[str]:
+def shm_entries(skip: Callable[[int], bool] | None = None) -> set[str]:
     """``/dev/shm`` entries this process or its descendants hold open or mapped,
-    plus every memfd or shared-memory mapping of this process."""
+    plus every memfd or shared-memory mapping of this process (descendants
+    for which ``skip`` says True are not looked at)."""
     found: set[str] = set()
     for pid in {os.getpid(), *descendants(os.getpid())}:
+        if skip is not None and pid != os.getpid() and skip(pid):
+            continue
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
@@ -97,28 +100,35 @@ def shm_entries() -> set[str]:
 
 
 def _leftovers(before_children: set[int], before_fds: dict[int, str],
-               before_shm: set[str]) -> tuple[set[int], dict[int, str], set[str]]:
+               before_shm: set[str], pooled: Callable[[int], bool] | None = None,
+               ) -> tuple[set[int], dict[int, str], set[str]]:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
     children = descendants(os.getpid()) - before_children
+    if pooled is not None:
+        children = {pid for pid in children if not pooled(pid)}
     fds = {fd: target for fd, target in open_fds().items()
            if before_fds.get(fd) != target}
-    shm = shm_entries() - before_shm
+    shm = shm_entries(pooled) - before_shm
     return children, fds, shm
 
 
 @pytest.fixture
 def leak_check() -> Iterator[None]:
+    yield from _leak_check(None)
+
+
+def _leak_check(pooled: Callable[[int], bool] | None) -> Iterator[None]:
     # multiprocessing's resource tracker is one long-lived helper per test
     # session, not a leak: start it first so it belongs to the baseline.
     resource_tracker.ensure_running()
     before_children = descendants(os.getpid())
     before_fds = open_fds()
-    before_shm = shm_entries()
+    before_shm = shm_entries(pooled)
     yield
     deadline = time.monotonic() + SETTLE_S
     while True:
-        children, fds, shm = _leftovers(before_children, before_fds, before_shm)
+        children, fds, shm = _leftovers(before_children, before_fds, before_shm, pooled)
         if not (children or fds or shm) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -136,3 +146,54 @@ def leak_check() -> Iterator[None]:
     if shm:
         problems.append(f"shared memory left (mappings, /dev/shm): {sorted(shm)}")
     assert not problems, "; ".join(problems)
+
+
+# -- Ray ------------------------------------------------------------------------------
+#
+# A Ray test module starts Ray (or a ray.cluster_utils.Cluster) once, in a
+# module-scoped fixture: its daemons (GCS, raylets, agents) and the workers
+# it keeps pooled are descendants of this process.  ``ray_leak_check`` is
+# ``leak_check`` with one allowance: a new descendant that is one of Ray's
+# own processes *without* a task or actor of ours (an idle pooled worker, a
+# daemon) is Ray's business, not a leak, and its memory mappings (Ray's
+# object store) are not looked at.  A Ray worker still hosting an actor
+# (``ray::RayWorkerActor...``) is a leak, as is anything else the test
+# started, and every fd, memfd and mapping of this process is checked as
+# for any test.  The module's own teardown checks that once Ray is stopped
+# no Ray process it started is left.
+
+RAY_DAEMONS = (b"raylet", b"gcs_server", b"ray/dashboard", b"ray/_private/log_monitor",
+               b"ray/_private/runtime_env", b"ray/autoscaler", b"ray/_private/monitor")
+
+
+def ray_cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def is_ray_process(pid: int) -> bool:
+    """Any process of Ray's: a daemon or a worker (by its command line)."""
+    cmdline = ray_cmdline(pid)
+    return (cmdline.startswith(b"ray::") or b"ray/core/src/ray" in cmdline
+            or b"ray/_private/workers/" in cmdline or any(d in cmdline for d in RAY_DAEMONS))
+
+
+def is_pooled_ray_process(pid: int) -> bool:
+    """One of Ray's processes that runs nothing of ours: a daemon or an idle worker."""
+    cmdline = ray_cmdline(pid)
+    if cmdline.startswith(b"ray::"):
+        return cmdline.startswith(b"ray::IDLE")
+    return is_ray_process(pid)
+
+
+def ray_processes() -> set[int]:
+    """Every Ray process on this machine."""
+    return {int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and is_ray_process(int(entry))}
+
+
+@pytest.fixture
+def ray_leak_check() -> Iterator[None]:
+    yield from _leak_check(is_pooled_ray_process)

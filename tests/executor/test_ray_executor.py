@@ -1,9 +1,12 @@
 """RayExecutor on a real local Ray (num_cpus=2): the executor conformance cases.
 
 Ray is started once for the module (it takes seconds on a busy machine) and
-every executor joins it, so none of them stops it; the module's teardown
-checks that nothing is left: no live actors, no placement groups, and no
-Ray processes once it has stopped Ray.  Both call paths run the same cases.
+every executor joins it, so none of them stops it.  Every test runs under
+``ray_leak_check`` (tests/conftest.py: no process, fd, memfd or mapping of
+the test outlives it beyond Ray's own pooled processes) and ends with no
+live actor and no placement group; the module's teardown checks that once
+it has stopped Ray no Ray process is left.  Both call paths run the same
+cases (``ray_support.check_calls``).
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from tests.executor.conftest import make_config
+from tests.conftest import ray_processes
+from tests.executor.ray_support import (
+    check_calls,
+    live_actors,
+    live_groups,
+    ray_processes_left,
+    start,
+    warm_up,
+)
 
-from mpexec.errors import WorkerDiedError, WorkerError, WorkerStartupError
-from mpexec.executor import Executor
+from mpexec.errors import WorkerDiedError, WorkerStartupError
 from mpexec.outputs import ModelRunnerOutput, SchedulerOutput
 
 ray = pytest.importorskip("ray")
@@ -29,50 +38,19 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 PATHS = ["shm", "ray"]
 
 
-def ray_processes() -> set[int]:
-    """Ray's own daemons and workers on this machine (by their command line)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"ray/core/src/ray" in cmdline or cmdline.startswith(b"ray::"):
-            found.add(int(entry))
-    return found
-
-
-def live_actors() -> list[Any]:
-    from ray._private.state import actors
-
-    return [a for a in actors().values() if a["State"] != "DEAD"]
-
-
-def live_groups() -> list[Any]:
-    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
     before = ray_processes()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    warm_up(*PATHS)
     yield
     assert live_actors() == [] and live_groups() == []
     ray.shutdown()
-    deadline = 30.0
-    import time
-
-    end = time.monotonic() + deadline
-    while ray_processes() - before and time.monotonic() < end:
-        time.sleep(0.2)
-    assert ray_processes() - before == set()
+    assert ray_processes_left(before) == set()
 
 
 @pytest.fixture
-def made() -> Iterator[list[RayExecutor]]:
+def made(ray_leak_check: None) -> Iterator[list[RayExecutor]]:
     executors: list[RayExecutor] = []
     yield executors
     for executor in executors:
@@ -80,39 +58,9 @@ def made() -> Iterator[list[RayExecutor]]:
     assert live_actors() == [] and live_groups() == []
 
 
-def start(made: list[RayExecutor], path: str, tp: int = 2, pp: int = 1,
-          **fields: Any) -> RayExecutor:
-    config = make_config(tp, pp, executor_backend="ray", ray_call_path=path, device_type="cpu",
-                         **fields)
-    executor = Executor.get_class(config)(config)
-    assert isinstance(executor, RayExecutor)
-    made.append(executor)
-    return executor
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_calls_results_errors_and_stats(made: list[RayExecutor], path: str) -> None:
-    ex = start(made, path)
-    assert ex.uses_ray and ex.supports_pp
-    ranks = ex.collective_rpc("whoami")
-    assert [r[:2] for r in ranks] == [(0, 0), (1, 1)]
-    assert [r[2] for r in ranks] == [w.pid for w in ex.workers]
-    assert ex.collective_rpc(lambda worker: worker.rank * 10) == [0, 10]
-    assert ex.collective_rpc("add", args=(1,), kwargs={"b": 2}, unique_reply_rank=1) == 4
-    assert ex.collective_rpc("echo", args=("x",), non_block=True).result(timeout=30) == ["x", "x"]
-    with pytest.raises(WorkerError, match="boom") as info:
-        ex.collective_rpc("raise_custom", args=("boom",))
-    assert info.value.rank == 0 and type(info.value.__cause__).__name__ == "CustomError"
-    with pytest.raises(WorkerError):
-        ex.collective_rpc("return_unpicklable")
-    with pytest.raises(TimeoutError):
-        ex.collective_rpc("sleep", args=(3.0,), timeout=0.5)
-    assert ex.collective_rpc("echo", args=(7,)) == [7, 7]  # the late reply is dropped
-    ex.check_health()
-    stats = ex.stats()
-    # A future's call is recorded just after its result is set: it may lag here.
-    assert stats["echo"].calls >= 1 and stats["whoami"].calls == 1
-    assert stats["raise_custom"].failures == 1
+    check_calls(start(made, path))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -204,7 +152,7 @@ def test_model_worker_at_tp2_gives_the_tokens_of_mp(made: list[RayExecutor],
 
 
 @pytest.mark.slow
-def test_an_executor_without_ray_starts_and_stops_its_own() -> None:
+def test_an_executor_without_ray_starts_and_stops_its_own(ray_leak_check: None) -> None:
     """In a fresh interpreter (this one runs the module's Ray): after shutdown()
     the Ray the executor started is stopped and its processes are gone."""
     import subprocess

@@ -1,0 +1,129 @@
+"""RayExecutor's "shm" path across Ray nodes, on one machine.
+
+``ray.cluster_utils.Cluster`` runs a head raylet and a second raylet here,
+one CPU each, so a 2-worker placement group has one bundle on each node:
+rank on the driver's node reads shared memory, the other rank reads the
+same queues over the network (remote readers), because "same node" is the
+Ray node id, never the IP.  One cluster serves the whole module (a raylet
+takes seconds to start); the node-lost case removes the second node, so it
+runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from tests.conftest import ray_processes
+from tests.executor.ray_support import (
+    check_calls,
+    live_actors,
+    live_groups,
+    ray_processes_left,
+    start,
+    warm_up,
+)
+
+from mpexec.errors import WorkerDiedError
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("zmq")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from mpexec.ipc.remote import RemoteWriter  # noqa: E402
+from mpexec.ipc.remote_reader import RemoteReader  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Any, Any]]:
+    before = ray_processes()
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    other = cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        cluster.wait_for_nodes()
+        warm_up("shm")
+        yield cluster, other
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert ray_processes_left(before) == set()
+
+
+@pytest.fixture
+def made(cluster: tuple[Any, Any], ray_leak_check: None) -> Iterator[list[Any]]:
+    executors: list[Any] = []
+    yield executors
+    for executor in executors:
+        executor.shutdown()
+    assert live_actors() == [] and live_groups() == []
+
+
+def remote_rank(ex: Any) -> int:
+    """The rank whose actor is on the other Ray node (asserting there is one)."""
+    here = ray.get_runtime_context().get_node_id()
+    remote = [w.rank for w in ex.workers if w.node_id != here]
+    assert len(remote) == 1, [w.node_id for w in ex.workers]
+    return remote[0]
+
+
+def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
+    ex = start(made, "shm", mq_max_chunks=4)
+    rank = remote_rank(ex)
+    assert isinstance(ex.rpc_broadcast_mq, RemoteWriter)
+    assert [isinstance(mq, RemoteReader) for mq in ex.response_mqs] == [
+        r == rank for r in range(2)]
+    check_calls(ex)
+    big = os.urandom(1 << 20)  # out-of-band buffers over the network
+    assert ex.collective_rpc("echo", args=(big,)) == [big, big]
+    futures = [ex.collective_rpc("echo", args=(i,), non_block=True) for i in range(2000)]
+    assert futures[-1].result(timeout=120) == [1999, 1999]
+    assert [f.result(timeout=0)[0] for f in futures] == list(range(2000))
+
+
+def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
+    """SIGSTOP: Ray still sees the actor alive, so only a deadline can tell -
+    check_health() within check_health_timeout_s (and execute_model within
+    execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s."""
+    ex = start(made, "shm", check_health_timeout_s=1.0, shutdown_grace_s=1.0)
+    victim = ex.workers[remote_rank(ex)]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            ex.check_health()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    assert ex.collective_rpc("echo", args=(3,), timeout=30) == [3, 3]  # usable again
+    os.kill(victim.pid, signal.SIGSTOP)
+    ended = time.monotonic()
+    ex.shutdown()  # the stopped actor is killed, not waited for
+    assert time.monotonic() - ended < 60
+    assert live_actors() == []
+
+
+def test_node_lost_mid_call(made: list[Any], cluster: tuple[Any, Any]) -> None:
+    ex = start(made, "shm")
+    rank = remote_rank(ex)
+    node_id = ex.workers[rank].node_id
+    fired: list[int] = []
+    done = threading.Event()
+    ex.register_failure_callback(lambda: (fired.append(1), done.set()))
+    pending = ex.collective_rpc("sleep", args=(60.0,), non_block=True)
+    cluster[0].remove_node(cluster[1])
+    with pytest.raises(WorkerDiedError, match=f"rank {rank}") as info:
+        pending.result(timeout=90)
+    assert node_id in str(info.value) and info.value.rank == rank
+    assert done.wait(30) and ex.is_failed
+    with pytest.raises(WorkerDiedError, match=f"rank {rank}.*{node_id}"):
+        ex.collective_rpc("echo", args=(1,))
+    ex.shutdown()
+    assert fired == [1]
