@@ -3,6 +3,7 @@
 ::
 
     python benchmarks/bench_ray.py [--iters 2000] [--ray-iters 300] [--big-reps 8]
+                                   [--reps 3] [--call-reps 1]
     python benchmarks/bench_executor.py --ray ...   (the same tables)
 
 1. no-op ``collective_rpc`` round trip at N = 1 and 2 workers: mp, ray with
@@ -73,25 +74,36 @@ def timed_calls(executor: Executor, iters: int, method: str, args: tuple[Any, ..
     return samples
 
 
-def bench_calls(iters: int, ray_iters: int, big_reps: int) -> None:
+def bench_calls(iters: int, ray_iters: int, big_reps: int, call_reps: int = 1) -> None:
+    """Each row ``call_reps`` times, the variants interleaved (load on a shared
+    machine drifts): the median over reps of each rep's p50 and p99."""
     big = b"x" * BIG
+    p50s: dict[tuple[int, str, str], list[float]] = {}
+    p99s: dict[tuple[int, str, str], list[float]] = {}
+    for _ in range(call_reps):
+        for workers in (1, 2):
+            for name, backend, fields in VARIANTS:
+                cfg = config(workers, backend, **fields)
+                with Executor.get_class(cfg)(cfg) as ex:
+                    n = ray_iters if fields.get("ray_call_path") == "ray" else iters
+                    for label, samples in (("noop", timed_calls(ex, n, "noop")),
+                                           ("64 MiB", timed_calls(ex, big_reps, "size",
+                                                                  (big,)))):
+                        p50s.setdefault((workers, name, label), []).append(
+                            percentile(samples, 50))
+                        p99s.setdefault((workers, name, label), []).append(
+                            percentile(samples, 99))
     rows: dict[str, list[list[str]]] = {"noop": [], "64 MiB": []}
-    for workers in (1, 2):
-        base: dict[str, float] = {}
-        for name, backend, fields in VARIANTS:
-            cfg = config(workers, backend, **fields)
-            with Executor.get_class(cfg)(cfg) as ex:
-                n = ray_iters if fields.get("ray_call_path") == "ray" else iters
-                for label, samples in (("noop", timed_calls(ex, n, "noop")),
-                                       ("64 MiB", timed_calls(ex, big_reps, "size", (big,)))):
-                    p50 = percentile(samples, 50)
-                    base.setdefault(label, p50)
-                    rows[label].append([str(workers), name, f"{p50 * 1e6:,.0f}",
-                                        f"{percentile(samples, 99) * 1e6:,.0f}",
-                                        f"{p50 / base[label]:.2f}x"])
-    print(render("no-op collective_rpc round trip (us)",
+    for (workers, name, label), values in p50s.items():
+        p50 = percentile(values, 50)
+        base = percentile(p50s[(workers, "mp", label)], 50)
+        rows[label].append([str(workers), name, f"{p50 * 1e6:,.0f}",
+                            f"{percentile(p99s[(workers, name, label)], 50) * 1e6:,.0f}",
+                            f"{p50 / base:.2f}x"])
+    reps = f", median of {call_reps} reps" if call_reps > 1 else ""
+    print(render(f"no-op collective_rpc round trip (us{reps})",
                  ["N", "executor", "p50", "p99", "p50 / mp"], rows["noop"], left=2))
-    print(render("64 MiB argument to every worker (us)",
+    print(render(f"64 MiB argument to every worker (us{reps})",
                  ["N", "executor", "p50", "p99", "p50 / mp"], rows["64 MiB"], left=2))
 
 
@@ -132,14 +144,15 @@ def own_ray_lifecycle() -> list[str]:
     return out[-2:]
 
 
-def run(iters: int = 2000, ray_iters: int = 300, big_reps: int = 8, reps: int = 3) -> None:
+def run(iters: int = 2000, ray_iters: int = 300, big_reps: int = 8, reps: int = 3,
+        call_reps: int = 1) -> None:
     import ray
 
     print(f"mpexec ray benchmark: {os.cpu_count()} CPUs, ray {ray.__version__}")
     ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
-        bench_calls(iters, ray_iters, big_reps)
+        bench_calls(iters, ray_iters, big_reps, call_reps)
         bench_lifecycle(reps)
     finally:
         ray.shutdown()
@@ -152,9 +165,11 @@ def main() -> None:
                         help="no-op round trips on the actor-call path")
     parser.add_argument("--big-reps", type=int, default=8, help="64 MiB calls per row")
     parser.add_argument("--reps", type=int, default=3, help="start-ups per row")
+    parser.add_argument("--call-reps", type=int, default=1,
+                        help="repetitions of the call rows (medians over them)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run(args.iters, args.ray_iters, args.big_reps, args.reps)
+    run(args.iters, args.ray_iters, args.big_reps, args.reps, args.call_reps)
 
 
 if __name__ == "__main__":
