@@ -200,7 +200,8 @@ class RayExecutor(MultiprocExecutor):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
             actor = actor_cls.options(scheduling_strategy=strategy).remote(
-                ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank))
+                ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
+                os.getpriority(os.PRIO_PROCESS, 0))
             handles.append(RayWorkerHandle(ray, ctx.rank, actor))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s)

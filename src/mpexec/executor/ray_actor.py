@@ -53,11 +53,13 @@ class RayWorkerActor:
     """One worker inside a Ray actor; see the module docstring."""
 
     def __init__(self, context: WorkerContext, broadcast_handle: Handle | None,
-                 driver_pid: int, queues: ActorQueues | None = None) -> None:
+                 driver_pid: int, queues: ActorQueues | None = None,
+                 niceness: int | None = None) -> None:
         self.context = context
         self.broadcast_handle = broadcast_handle
         self.driver_pid = driver_pid
         self.queues = queues or ActorQueues()
+        self.niceness = niceness
         self.proc: WorkerProc | None = None
         self.wrapper: WorkerWrapperBase | None = None
         self._exit = threading.Event()
@@ -67,6 +69,7 @@ class RayWorkerActor:
 
         node_id = ray.get_runtime_context().get_node_id()
         ctx = self.context
+        set_niceness(self.niceness)
         if self.broadcast_handle is None:
             wrapper = WorkerWrapperBase(rpc_rank=ctx.local_rank, global_rank=ctx.rank)
             wrapper.init_worker_from_context(ctx)
@@ -94,6 +97,7 @@ class RayWorkerActor:
         proc = self.proc
         assert proc is not None and proc.rpc_broadcast_mq is not None
         assert proc.worker_response_mq is not None
+        set_niceness(self.niceness)  # this thread may be new since start()
         try:
             # The driver's order: broadcast queue first, then the reply queues.
             proc.rpc_broadcast_mq.wait_until_ready()
@@ -130,3 +134,29 @@ class RayWorkerActor:
 
     def wait_exit(self) -> None:
         self._exit.wait()
+
+
+def set_niceness(niceness: int | None) -> None:
+    """Every thread of this process at ``niceness`` (the driver's).
+
+    Ray starts its workers at nice 15 (``worker_niceness``) so that its own
+    daemons win the CPU.  A worker of ours runs each call in lockstep with
+    the driver, and at nice 15 on a busy machine it waits behind every other
+    process for its turn: it gets the driver's niceness, as a worker process
+    does.  Linux keeps niceness per thread, hence every thread; lowering it
+    needs CAP_SYS_NICE (or RLIMIT_NICE), and without it the actor stays as
+    Ray made it.
+    """
+    if niceness is None:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError as exc:
+            logger.debug("cannot set thread %d to nice %d: %s", tid, niceness, exc)
+            return
