@@ -1,12 +1,13 @@
 """RayExecutor's "shm" path across Ray nodes, on one machine.
 
-``ray.cluster_utils.Cluster`` runs a head raylet and a second raylet here,
-one CPU each, so a 2-worker placement group has one bundle on each node:
-rank on the driver's node reads shared memory, the other rank reads the
-same queues over the network (remote readers), because "same node" is the
-Ray node id, never the IP.  One cluster serves the whole module (a raylet
-takes seconds to start); the node-lost case removes the second node, so it
-runs last.
+``ray.cluster_utils.Cluster`` runs a head raylet (the driver's node, one
+CPU) and a second raylet (two CPUs) here.  A 2-worker placement group with
+SPREAD has one bundle on each node: the rank on the driver's node reads
+shared memory, the other rank reads the same queues over the network
+(remote readers), because "same node" is the Ray node id, never the IP.
+With PACK both bundles go to the second node and every rank is remote.
+One cluster serves the whole module (a raylet takes seconds to start); the
+node-lost case removes the second node, so it runs last.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def cluster() -> Iterator[tuple[Any, Any]]:
     before = ray_processes()
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 1, "include_dashboard": False})
-    other = cluster.add_node(num_cpus=1)
+    other = cluster.add_node(num_cpus=2)
     try:
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         cluster.wait_for_nodes()
@@ -68,6 +69,10 @@ def made(cluster: tuple[Any, Any], ray_leak_check: None) -> Iterator[list[Any]]:
     assert live_actors() == [] and live_groups() == []
 
 
+def spread(made: list[Any], **fields: Any) -> Any:
+    return start(made, "shm", ray_placement_strategy="SPREAD", **fields)
+
+
 def remote_rank(ex: Any) -> int:
     """The rank whose actor is on the other Ray node (asserting there is one)."""
     here = ray.get_runtime_context().get_node_id()
@@ -77,7 +82,7 @@ def remote_rank(ex: Any) -> int:
 
 
 def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
-    ex = start(made, "shm", mq_max_chunks=4)
+    ex = spread(made, mq_max_chunks=4)
     rank = remote_rank(ex)
     assert isinstance(ex.rpc_broadcast_mq, RemoteWriter)
     assert [isinstance(mq, RemoteReader) for mq in ex.response_mqs] == [
@@ -94,7 +99,7 @@ def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
     """SIGSTOP: Ray still sees the actor alive, so only a deadline can tell -
     check_health() within check_health_timeout_s (and execute_model within
     execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s."""
-    ex = start(made, "shm", check_health_timeout_s=1.0, shutdown_grace_s=1.0)
+    ex = spread(made, check_health_timeout_s=1.0, shutdown_grace_s=1.0)
     victim = ex.workers[remote_rank(ex)]
     os.kill(victim.pid, signal.SIGSTOP)
     try:
@@ -110,8 +115,18 @@ def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
     assert live_actors() == []
 
 
+def test_every_actor_remote(made: list[Any]) -> None:
+    ex = start(made, "shm", ray_placement_strategy="PACK")
+    here = ray.get_runtime_context().get_node_id()
+    assert len({w.node_id for w in ex.workers} - {here}) == 1
+    assert ex.rpc_broadcast_mq.export_handle().local_reader_ranks == []
+    assert all(isinstance(mq, RemoteReader) for mq in ex.response_mqs)
+    assert ex.collective_rpc(lambda worker: worker.rank) == [0, 1]
+    assert ex.collective_rpc("add", args=(1,), kwargs={"b": 2}, unique_reply_rank=0) == 3
+
+
 def test_node_lost_mid_call(made: list[Any], cluster: tuple[Any, Any]) -> None:
-    ex = start(made, "shm")
+    ex = spread(made)
     rank = remote_rank(ex)
     node_id = ex.workers[rank].node_id
     fired: list[int] = []

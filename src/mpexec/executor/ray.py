@@ -62,6 +62,7 @@ from mpexec.executor.spec import PortReservation, worker_contexts
 logger = logging.getLogger(__name__)
 
 _WATCH_SLICE_S = 0.2
+_CAUSE_WAIT_S = 1.0
 
 
 class RayWorkerHandle:
@@ -92,14 +93,21 @@ class RayWorkerHandle:
         where = f"the Ray actor on node {self.node_id}"
         if self.is_alive():
             return f"{where} closed its queues"
-        try:
-            self.ray.get(self.liveness, timeout=0)
-        except Exception as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            detail = next((line for line in lines if "exit detail" in line.lower()),
-                          lines[0] if lines else "")
-            return f"{where} is gone ({type(exc).__name__}: {detail})"
-        return f"{where} exited"
+        # The first error Ray raises may predate the cause reaching the GCS
+        # ("... died because its node has died"): ask again, briefly.
+        detail, deadline = "", time.monotonic() + _CAUSE_WAIT_S
+        while True:
+            try:
+                self.ray.get(self.liveness, timeout=0)
+                return f"{where} exited"
+            except Exception as exc:
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                cause = next((line for line in lines if " because " in line
+                              or "exit detail" in line.lower()), None)
+                detail = f"{type(exc).__name__}: {cause or (lines[0] if lines else '')}"
+            if cause is not None or time.monotonic() >= deadline:
+                return f"{where} is gone ({detail})"
+            time.sleep(0.05)
 
     def terminate(self) -> None:
         self.kill()
