@@ -174,7 +174,8 @@ class RayExecutor(MultiprocExecutor):
         deadline = time.monotonic() + config.startup_timeout_s
         try:
             self._start_actors(deadline)
-            state.start_watcher(life)
+            if state.watcher is None:
+                state.start_watcher(life)
             life.mark_ready()
             self._post_init_executor()
         except BaseException:
@@ -229,7 +230,17 @@ class RayExecutor(MultiprocExecutor):
         self.replies.attach(self.response_mqs, self.calls.lock)
         state.serve_refs = [h.actor.serve.remote() for h in handles]
         assert self.rpc_broadcast_mq is not None
-        handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s)
+        # A remote reader cannot see its peer die: the watcher, already, can.
+        state.start_watcher(life)
+        try:
+            handshake(self.rpc_broadcast_mq, self.response_mqs, deadline,
+                      config.startup_timeout_s)
+        except QueueClosedError as exc:
+            death = life.death
+            if death is None:
+                raise
+            raise WorkerStartupError(f"worker rank {death.rank} died during the queue "
+                                     f"handshake: {death.how}", rank=death.rank) from exc
 
     # -- failure ------------------------------------------------------------------
 
