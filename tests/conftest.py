@@ -104,9 +104,13 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
                ) -> tuple[set[int], dict[int, str], set[str]]:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    children = descendants(os.getpid()) - before_children
+    now = descendants(os.getpid())
+    children = now - before_children
     if pooled is not None:
-        children = {pid for pid in children if not pooled(pid)}
+        # A pooled process that took work of ours since (an idle Ray worker
+        # that became an actor) counts, new or not.
+        children = {pid for pid in now if not pooled(pid)
+                    and (pid in children or is_ray_process(pid))}
     fds = {fd: target for fd, target in open_fds().items()
            if before_fds.get(fd) != target}
     shm = shm_entries(pooled) - before_shm
@@ -157,7 +161,8 @@ def _leak_check(pooled: Callable[[int], bool] | None) -> Iterator[None]:
 # own processes *without* a task or actor of ours (an idle pooled worker, a
 # daemon) is Ray's business, not a leak, and its memory mappings (Ray's
 # object store) are not looked at.  A Ray worker still hosting an actor
-# (``ray::RayWorkerActor...``) is a leak, as is anything else the test
+# (``ray::RayWorkerActor...``) is a leak even if it existed before the test
+# (Ray hands pooled workers to new actors), as is anything else the test
 # started, and every fd, memfd and mapping of this process is checked as
 # for any test.  The module's own teardown checks that once Ray is stopped
 # no Ray process it started is left.
@@ -183,8 +188,9 @@ def is_ray_process(pid: int) -> bool:
 def is_pooled_ray_process(pid: int) -> bool:
     """One of Ray's processes that runs nothing of ours: a daemon or an idle worker."""
     cmdline = ray_cmdline(pid)
-    if cmdline.startswith(b"ray::"):
-        return cmdline.startswith(b"ray::IDLE")
+    if cmdline.startswith(b"ray::"):  # a worker's title: idle, Ray's agent, or busy
+        title = cmdline.split(b"\0", 1)[0]
+        return title.startswith(b"ray::IDLE") or title.endswith(b"Agent")
     return is_ray_process(pid)
 
 

@@ -174,3 +174,15 @@ def test_an_executor_without_ray_starts_and_stops_its_own(ray_leak_check: None) 
                          timeout=170, cwd=os.getcwd())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "ok"  # its Ray processes: the module teardown checks
+
+
+def test_ray_leak_check_sees_an_actor_left_behind(made: list[RayExecutor]) -> None:
+    """The allowance of ray_leak_check is Ray's idle processes only: a live
+    actor process counts, even one Ray had pooled before (so the fixture is
+    not vacuous)."""
+    from tests.conftest import _leftovers, descendants, is_pooled_ray_process, open_fds
+
+    before = descendants(os.getpid())
+    ex = start(made, "shm", tp=1)
+    left, _, _ = _leftovers(before, open_fds(), set(), is_pooled_ray_process)
+    assert ex.workers[0].pid in left
