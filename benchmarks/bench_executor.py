@@ -450,13 +450,14 @@ def main() -> None:
     parser.add_argument("--methods", default="fork,spawn", help="start methods for 5")
     parser.add_argument("--workers", default="1,2,4", help="worker counts for 1 and 2")
     parser.add_argument("--ray", action="store_true",
-                        help="only the Ray executor's figures (benchmarks/bench_ray.py)")
+                        help="only the Ray executor's figures (benchmarks/bench_ray.py; "
+                             "its call rows --passes times)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.ray:
         import bench_ray
 
-        bench_ray.run()
+        bench_ray.run(call_reps=args.passes)  # the call rows --passes times, medians
         return
     only = set(args.only.split(","))
     sizes = [int(n) for n in args.workers.split(",")]
