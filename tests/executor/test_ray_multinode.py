@@ -30,7 +30,7 @@ from tests.executor.ray_support import (
     warm_up,
 )
 
-from mpexec.errors import WorkerDiedError
+from mpexec.errors import WorkerDiedError, WorkerStartupError
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("zmq")
@@ -113,6 +113,25 @@ def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
     ex.shutdown()  # the stopped actor is killed, not waited for
     assert time.monotonic() - ended < 60
     assert live_actors() == []
+
+
+def test_remote_actor_dying_in_the_queue_handshake_fails_start_up(
+        made: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote reader cannot see its peer die; the watcher does, so start-up
+    fails at once rather than at startup_timeout_s (120 s here)."""
+    import mpexec.executor.ray as ray_executor
+
+    started = ray_executor._wait_started
+    here = ray.get_runtime_context().get_node_id()
+
+    def then_kill_the_remote_one(ray_module: Any, handles: list[Any], *args: Any) -> Any:
+        replies = started(ray_module, handles, *args)
+        os.kill(next(h.pid for h in handles if h.node_id != here), signal.SIGKILL)
+        return replies
+
+    monkeypatch.setattr(ray_executor, "_wait_started", then_kill_the_remote_one)
+    with pytest.raises(WorkerStartupError, match=r"died during the queue handshake.*node"):
+        spread(made, startup_timeout_s=120.0)
 
 
 def test_every_actor_remote(made: list[Any]) -> None:
