@@ -12,13 +12,10 @@ the context, a missing field, an odd head size, a rope scaling form this
 stack does not implement.  The model then trusts the config and never
 re-checks it.
 
-The head size is decoupled from the hidden size: ``head_dim`` in config.json
-(Qwen3, Gemma and Mistral-style checkpoints set it) or
-``<arch>.attention.key_length`` in GGUF gives it, and q_proj then has
-``num_attention_heads × head_dim`` rows and o_proj as many columns, whatever
-``hidden_size`` is.  Only without an explicit size is it derived as
-``hidden_size / num_attention_heads``, which must then divide.  That the
-tensors have these shapes is the loader's check (``expected_shapes``).
+The head size need not tile the hidden size: config.json's ``head_dim`` or
+GGUF's ``<arch>.attention.key_length`` sets it (q_proj then has ``heads ×
+head_dim`` rows, o_proj as many columns; the loader checks the tensors'
+shapes); only without one is it ``hidden_size / heads``, which must divide.
 
 ``rope_scaling`` is kept in Hugging Face's config.json form, normalised so the
 kind is always under ``"rope_type"`` (``"linear"``, ``"dynamic"``,
