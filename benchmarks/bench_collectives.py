@@ -19,23 +19,20 @@ One table per run, every figure measured in the same run:
 4. CPU used by a rank waiting ``--idle-s`` seconds in an all_reduce for a
    peer that sleeps.
 
-Ranks are forked processes of one ``file://`` world; each iteration is a
-collective, so the ranks stay in step.  The two paths alternate call by
-call, so that the load of a shared machine weighs on both alike.  The figures are rank 0's.  Exit
-status 0 when every run finished and every result checked out.
+Ranks are forked processes of one ``file://`` world, run by
+``harness.spmd.run_ranks`` (the runner the distributed tests use too); each
+iteration is a collective, so the ranks stay in step.  The two paths
+alternate call by call, so that the load of a shared machine weighs on both
+alike.  The figures are rank 0's.  Exit status 0 when every run finished and
+every result checked out.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import pickle
-import shutil
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +42,7 @@ for path in (_HERE, _HERE.parent / "src"):
         sys.path.insert(0, str(path))
 
 from harness import percentile, render  # noqa: E402
+from harness.spmd import run_ranks  # noqa: E402
 
 SIZES = [("576 elem", 576), ("64 KiB", 16 << 10), ("4 MiB", 1 << 20)]  # float32 elements
 
@@ -113,91 +111,61 @@ def measure_size(tp: Any, rank: int, world_size: int, label: str, numel: int,
     return out
 
 
-def run_rank(rank: int, world_size: int, init: str, quick: bool, idle_s: float,
-             conn: Any) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def run_rank(rank: int, world_size: int, init: str, quick: bool,
+             idle_s: float) -> dict[str, Any] | None:
+    """One rank's measurements (run by ``harness.spmd.run_ranks``); rank 0's come back."""
+    import torch
+    import torch.distributed as dist
 
-        import mpexec.distributed as d
+    import mpexec.distributed as d
 
-        torch.set_num_threads(1)
-        d.init_distributed_environment(world_size, rank, rank, init, "gloo")
-        d.initialize_model_parallel(tensor_model_parallel_size=world_size)
-        tp = d.get_tp_group()
-        out: dict[str, Any] = {}
-        for label, numel in SIZES:
-            out.update(measure_size(tp, rank, world_size, label, numel, quick))
-        if world_size == 2:
-            hidden = torch.randn(16, 576)
-            peer = 1 - rank
+    d.init_distributed_environment(world_size, rank, rank, init, "gloo")
+    d.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = d.get_tp_group()
+    out: dict[str, Any] = {}
+    for label, numel in SIZES:
+        out.update(measure_size(tp, rank, world_size, label, numel, quick))
+    if world_size == 2:
+        hidden = torch.randn(16, 576)
+        peer = 1 - rank
 
-            def ping_pong() -> None:
-                if rank == 0:
-                    dist.send(hidden, peer, group=tp.cpu_group)
-                    dist.recv(hidden, peer, group=tp.cpu_group)
-                else:
-                    dist.recv(hidden, peer, group=tp.cpu_group)
-                    dist.send(hidden, peer, group=tp.cpu_group)
-
-            def shm_ping_pong() -> None:
-                if rank == 0:
-                    tp.send(hidden, peer)
-                    tp.recv(hidden.shape, hidden.dtype, peer)
-                else:
-                    got = tp.recv(hidden.shape, hidden.dtype, peer)
-                    tp.send(got, peer)
-
-            timed(shm_ping_pong, 20)
-            timed(ping_pong, 20)
-            shm, gloo = timed_pair(shm_ping_pong, ping_pong, 200 if quick else 1000)
-            out[("send/recv [16,576]", "36 KiB", "shm")] = [s / 2 for s in shm]
-            out[("send/recv [16,576]", "36 KiB", "gloo")] = [s / 2 for s in gloo]
-            assert tp.point_to_point_routes() == {(rank, peer): "shm", (peer, rank): "shm"}
-            tp.barrier()
+        def ping_pong() -> None:
             if rank == 0:
-                before = time.process_time()
-                tp.all_reduce(torch.ones(576))
-                out["idle_cpu_s"] = time.process_time() - before
+                dist.send(hidden, peer, group=tp.cpu_group)
+                dist.recv(hidden, peer, group=tp.cpu_group)
             else:
-                time.sleep(idle_s)
-                tp.all_reduce(torch.ones(576))
-        d.destroy_distributed_environment()
-        conn.send_bytes(pickle.dumps(("ok", out if rank == 0 else None)))
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+                dist.recv(hidden, peer, group=tp.cpu_group)
+                dist.send(hidden, peer, group=tp.cpu_group)
+
+        def shm_ping_pong() -> None:
+            if rank == 0:
+                tp.send(hidden, peer)
+                tp.recv(hidden.shape, hidden.dtype, peer)
+            else:
+                got = tp.recv(hidden.shape, hidden.dtype, peer)
+                tp.send(got, peer)
+
+        timed(shm_ping_pong, 20)
+        timed(ping_pong, 20)
+        shm, gloo = timed_pair(shm_ping_pong, ping_pong, 200 if quick else 1000)
+        out[("send/recv [16,576]", "36 KiB", "shm")] = [s / 2 for s in shm]
+        out[("send/recv [16,576]", "36 KiB", "gloo")] = [s / 2 for s in gloo]
+        assert tp.point_to_point_routes() == {(rank, peer): "shm", (peer, rank): "shm"}
+        tp.barrier()
+        if rank == 0:
+            before = time.process_time()
+            tp.all_reduce(torch.ones(576))
+            out["idle_cpu_s"] = time.process_time() - before
+        else:
+            time.sleep(idle_s)
+            tp.all_reduce(torch.ones(576))
+    d.destroy_distributed_environment()
+    return out if rank == 0 else None
 
 
 def run_world(world_size: int, quick: bool, idle_s: float) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("fork")
-    tmp = tempfile.mkdtemp(prefix="mpexec-bench-")
-    init = f"file://{tmp}/store"
-    procs, conns = [], []
-    try:
-        for rank in range(world_size):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_rank,
-                               args=(rank, world_size, init, quick, idle_s, child))
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        results = []
-        for rank, conn in enumerate(conns):
-            if not conn.poll(600):
-                raise RuntimeError(f"rank {rank} of {world_size} gave no result in 600 s")
-            status, value = pickle.loads(conn.recv_bytes())
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            results.append(value)
-        return results[0]
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        shutil.rmtree(tmp, ignore_errors=True)
+    results = run_ranks(world_size, run_rank, quick, idle_s, timeout=600.0)
+    return results[0]
 
 
 def main() -> int:

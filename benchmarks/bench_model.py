@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py [--model default] [--steps 24] [--threads 1]
                                      [--dtypes float32,bfloat16] [--layouts tp1,tp2,pp2]
+                                     [--profile]
 
 For each dtype and layout (TP=1, TP=2, PP=2 through the mp executor, one
 worker process per rank with ``--threads`` intra-op threads each) and for
@@ -17,7 +18,12 @@ this process), in the same run:
 - the executor's share of a decode step: driver wall time of execute_model +
   sample_tokens minus the output rank's ``worker_execute_s`` +
   ``worker_sample_s``, over the wall time;
-- resident memory per worker (VmRSS) and the weight bytes it holds.
+- resident memory per worker (VmRSS) and the weight bytes it holds;
+- with ``--profile``, where a batch-1 decode step spends its time on each
+  rank (cProfile around execute_model and sample_tokens only, in a separate
+  run of ``--steps`` steps whose rates are not reported): waiting in a
+  collective for the other TP ranks to arrive, the rest of the collectives,
+  matmuls, the attention kernel, other torch ops, and the Python around them.
 
 Numbers depend on the machine and its load; compare within one run.
 """
@@ -87,6 +93,54 @@ def worker_weight_bytes(wrapper: Any) -> int:
     return sum(seen.values())
 
 
+def worker_profile_start(wrapper: Any) -> None:
+    """Profile this worker's execute_model and sample_tokens (nothing between calls)."""
+    import cProfile
+    import functools
+
+    worker = wrapper.worker
+    worker.bench_profile = cProfile.Profile()
+    for name in ("execute_model", "sample_tokens"):
+        setattr(worker, name, functools.partial(worker.bench_profile.runcall,
+                                                getattr(worker, name)))
+
+
+def worker_profile_report(wrapper: Any) -> dict[str, float]:
+    """Stop the profile; seconds spent, by where they went.
+
+    The TP collectives (``GroupCoordinator.all_reduce`` / ``all_gather``) count
+    whole, split into the wait for the other ranks to arrive
+    (``_wait_for_peers``) and the rest (copies in and out of shared memory,
+    the sum); every other second is the own time of a matmul, the attention
+    kernel, another torch op, or Python."""
+    import pstats
+
+    worker = wrapper.worker
+    del worker.execute_model, worker.sample_tokens  # the class's methods again
+    stats: dict[Any, Any] = pstats.Stats(worker.bench_profile).stats  # type: ignore[attr-defined]
+    out = dict.fromkeys(PROFILE_PARTS, 0.0)
+    for (file, _line, function), (_cc, _nc, own_s, inclusive_s, callers) in stats.items():
+        out["total"] += own_s
+        if function == "_wait_for_peers":
+            out["waiting for TP peers"] += inclusive_s
+        elif function in ("all_reduce", "all_gather") and file.endswith("distributed/group.py"):
+            out["TP collectives besides waiting"] += inclusive_s
+        elif "torch._C._nn.linear" in function:
+            out["matmul (F.linear)"] += own_s
+        elif "scaled_dot_product_attention" in function:
+            out["attention kernel (SDPA)"] += own_s
+        elif "torch" in function:  # a torch op: count what was not called by a collective
+            out["other torch ops"] += sum(
+                timing[2] for (caller_file, *_), timing in callers.items()
+                if "/mpexec/distributed/" not in caller_file)
+    out["TP collectives besides waiting"] -= out["waiting for TP peers"]
+    return out
+
+
+PROFILE_PARTS = ("waiting for TP peers", "TP collectives besides waiting", "matmul (F.linear)",
+                 "attention kernel (SDPA)", "other torch ops", "total")
+
+
 class OurModel:
     """An mp executor of ModelWorkers, stepped with hand-built SchedulerOutputs."""
 
@@ -108,6 +162,7 @@ class OurModel:
         self.executor.execute_dummy_batch()
         self.next_block = 0
         self.serial = 0
+        self.profiles: list[dict[str, float]] = []
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -142,8 +197,9 @@ class OurModel:
             self._step(SchedulerOutput(finished_req_ids={rid}))
         return PREFILL / percentile(times, 50)
 
-    def decode(self, batch: int, steps: int) -> tuple[float, float]:
-        """(tokens/s over the median step, the executor's share of a step)."""
+    def decode(self, batch: int, steps: int, profile: bool = False) -> tuple[float, float]:
+        """(tokens/s over the median step, the executor's share of a step); with
+        ``profile``, each rank's breakdown of the decode steps lands in ``profiles``."""
         rids = []
         news = []
         for i in range(batch):
@@ -158,6 +214,8 @@ class OurModel:
         last = {rid: tokens[0] for rid, tokens in
                 zip(result.req_ids, result.sampled_token_ids, strict=True)}
         walls, shares = [], []
+        if profile:
+            self.executor.collective_rpc(worker_profile_start)
         for step in range(steps):
             # the protocol allows placeholders only without PP
             tokens = {rid: [PLACEHOLDER_TOKEN_ID if self.pp == 1 else last[rid]] for rid in rids}
@@ -167,6 +225,8 @@ class OurModel:
                     zip(result.req_ids, result.sampled_token_ids, strict=True)}
             walls.append(wall)
             shares.append(max(wall - inside, 0.0) / wall)
+        if profile:
+            self.profiles = self.executor.collective_rpc(worker_profile_report)
         self._step(SchedulerOutput(finished_req_ids=set(rids)))
         return batch / percentile(walls, 50), percentile(shares, 50)
 
@@ -243,6 +303,17 @@ def progress(row: list[Any]) -> None:
     print("measured:", " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
 
 
+def profile_rows(label: str, profiles: list[dict[str, float]], steps: int) -> list[list[Any]]:
+    rows = []
+    for rank, parts in enumerate(profiles):
+        total = parts["total"]
+        named = [parts[name] for name in PROFILE_PARTS[:-1]]
+        cells = [f"{1e3 * v / steps:.1f} ({100 * v / total:.0f}%)"
+                 for v in [*named, total - sum(named)]]
+        rows.append([label, rank, *cells, f"{1e3 * total / steps:.1f}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
@@ -250,6 +321,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layouts", default="tp1,tp2,pp2")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile batch-1 decode steps on every rank")
     args = parser.parse_args()
     from mpexec.models.fetch import resolve_model
 
@@ -259,6 +332,7 @@ def main() -> None:
     bandwidth = {n: stream_bandwidth(n) for n in (1, 2)}
     rows: list[list[Any]] = []
     extras: list[list[Any]] = []
+    profiles: list[list[Any]] = []
     reference = Reference(model, args.threads)
     measured: dict[tuple[str, str], dict[str, float]] = {}
     for dtype in dtypes:
@@ -279,6 +353,10 @@ def main() -> None:
                 b16, share16 = ours.decode(16, args.steps)
                 prefill = ours.prefill_rate()
                 rss, weights = ours.memory()
+                if args.profile:
+                    ours.decode(1, args.steps, profile=True)
+                    profiles.extend(profile_rows(f"{layout} {dtype}", ours.profiles,
+                                                 args.steps))
             finally:
                 ours.close()
             measured[(dtype, layout)] = {"b1": b1, "b16": b16}
@@ -299,6 +377,12 @@ def main() -> None:
     print()
     print(render("resident memory per worker (MiB) and the weights it holds (MiB)",
                  ["layout", "VmRSS per rank", "weights per rank"], extras))
+    if profiles:
+        print()
+        print(render(f"where a batch-1 decode step goes (ms per step, {args.steps} profiled "
+                     "steps; cProfile inflates the Python share)",
+                     ["layout", "rank", *PROFILE_PARTS[:-1], "Python and the rest", "total"],
+                     profiles))
     scaling = []
     for dtype in dtypes:
         if (dtype, "tp1") in measured and (dtype, "tp2") in measured:

@@ -1,82 +1,15 @@
 """Test-only helpers of the model tests: a random transformers Llama saved as
-an HF checkpoint, a minimal checkpoint reader over it (until the real loader
-is on this branch), and a threaded tensor-parallel group so that several
-ranks of one model can run in one process."""
+an HF checkpoint (read back with the real loader, ``open_checkpoint``), and a
+threaded tensor-parallel group so that several ranks of one model can run in
+one process."""
 
 from __future__ import annotations
 
-import json
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-
-@dataclass(frozen=True)
-class StandInConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-
-
-class StandInCheckpoint:
-    """Reads a ``save_pretrained`` safetensors directory, slice by slice."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        raw = json.loads((path / "config.json").read_text())
-        rope = raw.get("rope_scaling") or raw.get("rope_parameters")
-        theta = raw.get("rope_theta") or (rope or {}).get("rope_theta", 10000.0)
-        if rope is not None and rope.get("rope_type", rope.get("type")) == "default":
-            rope = None
-        self.config = StandInConfig(
-            architecture=raw["architectures"][0], vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw["num_key_value_heads"],
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-            rms_norm_eps=raw["rms_norm_eps"], rope_theta=theta, rope_scaling=rope,
-            max_position_embeddings=raw["max_position_embeddings"],
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", False))
-        self._files = [safe_open(str(f), "pt") for f in sorted(path.glob("*.safetensors"))]
-        self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-
-    def __enter__(self) -> StandInCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._files = []
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        piece = self._where[name].get_slice(name)
-        if dim is None:
-            return piece[:].to(dtype)
-        index = [slice(None)] * len(piece.get_shape())
-        index[dim] = slice(start, stop)
-        return piece[tuple(index)].to(dtype)
 
 
 def save_random_llama(directory: Path, *, seed: int = 0, **overrides: Any) -> Path:

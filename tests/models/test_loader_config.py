@@ -54,6 +54,12 @@ def test_qwen2_has_qkv_bias_and_eos_from_generation_config(tmp_path: Path) -> No
     assert config.eos_token_ids == (2, 7)
 
 
+def test_an_explicit_head_dim_need_not_tile_the_hidden_size(tmp_path: Path) -> None:
+    config = parse(tmp_path, hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                   head_dim=16)
+    assert (config.hidden_size, config.num_attention_heads, config.head_dim) == (72, 9, 16)
+
+
 def test_mistral_without_window_is_llama(tmp_path: Path) -> None:
     config = parse(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"],
                    sliding_window=None)
@@ -105,7 +111,9 @@ REFUSED = [
     ({"hidden_size": ...}, "hidden_size"),
     ({"max_position_embeddings": ...}, "max_position_embeddings"),
     ({"vocab_size": "many"}, "vocab_size"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": 7}, "head_dim"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, "head_dim"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"num_attention_heads": 64, "head_dim": 1}, "head_dim"),
     ({"attention_bias": True}, "attention_bias"),
@@ -158,7 +166,9 @@ def test_junk_in_any_field_is_a_checkpoint_error_or_a_valid_config(
         return
     for name in ("rms_norm_eps", "rope_theta"):
         assert math.isfinite(getattr(config, name)) and getattr(config, name) > 0
-    assert config.head_dim * config.num_attention_heads == config.hidden_size
+    assert config.head_dim == (raw.get("head_dim")
+                               or config.hidden_size // config.num_attention_heads)
+    assert config.head_dim % 2 == 0
     assert all(isinstance(i, int) for i in config.eos_token_ids)
 
 
@@ -172,7 +182,8 @@ GGUF_BASE: dict[str, Any] = {
 }
 GGUF_KEYS = [*GGUF_BASE, "llama.rope.scaling.type", "llama.rope.scaling.factor",
              "llama.rope.scaling.original_context_length", "llama.attention.key_length",
-             "llama.rope.dimension_count", "llama.expert_count", "tokenizer.ggml.eot_token_id"]
+             "llama.attention.value_length", "llama.rope.dimension_count",
+             "llama.expert_count", "tokenizer.ggml.eot_token_id"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -185,5 +196,7 @@ def test_junk_in_gguf_metadata_is_a_checkpoint_error_or_a_valid_config(
     except CheckpointError as e:
         assert str(e).startswith("m.gguf: ")
         return
-    assert config.head_dim * config.num_attention_heads == config.hidden_size
+    assert config.head_dim == (fields.get("llama.attention.key_length")
+                               or config.hidden_size // config.num_attention_heads)
+    assert config.head_dim % 2 == 0
     assert math.isfinite(config.rms_norm_eps) and math.isfinite(config.rope_theta)

@@ -189,6 +189,19 @@ def test_block_count_that_the_tensors_do_not_have(tmp_path: Path, tiny_dir: Path
         open_checkpoint(path)
 
 
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"attention.value_length": 16}, "llama.attention.value_length"),
+    ({"rope.dimension_count": 16}, "llama.rope.dimension_count"),
+    ({"attention.key_length": 16, "attention.value_length": 16, "rope.dimension_count": 16},
+     r"self_attn\.q_proj\.weight: shape"),
+])
+def test_head_sizes_that_the_model_or_the_tensors_do_not_have(
+        tmp_path: Path, tiny_dir: Path, changes: dict[str, int], field: str) -> None:
+    path = write_tiny_gguf(tmp_path / "h.gguf", tiny_dir, metadata_changes=changes)
+    with pytest.raises(CheckpointError, match=field):
+        open_checkpoint(path)
+
+
 def test_missing_metadata_field(tmp_path: Path, tiny_dir: Path) -> None:
     path = write_tiny_gguf(tmp_path / "f.gguf", tiny_dir, metadata_changes={"block_count": 0})
     with pytest.raises(CheckpointError, match=r"f\.gguf: num_hidden_layers"):

@@ -167,6 +167,14 @@ def test_shape_mismatch_with_config(copy: Path) -> None:
         open_checkpoint(copy)
 
 
+def test_a_head_dim_the_tensors_do_not_have(copy: Path) -> None:
+    config = json.loads((copy / "config.json").read_text())
+    config["head_dim"] += 2  # still even: refused by the tensors' shapes, not the config
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj\.weight: shape"):
+        open_checkpoint(copy)
+
+
 def test_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         open_checkpoint(tmp_path / "nothing")

@@ -9,6 +9,7 @@ catches any real error (a wrong head, bias or rotation moves logits by >1e-2).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.models.model_run_support import (  # noqa: E402
-    StandInCheckpoint,
-    run_ranks,
-    save_random_llama,
-)
+from tests.models.model_run_support import run_ranks, save_random_llama  # noqa: E402
 
 from mpexec.models.kv_cache import KVCache, ScheduledRequest, build_attention_batch  # noqa: E402
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
 from mpexec.models.layers.rotary import rope_tables  # noqa: E402
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
+from mpexec.models.loader import Checkpoint, open_checkpoint  # noqa: E402
 from mpexec.models.sharding import rank_share  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -40,7 +38,7 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def build(checkpoint: Any, tp_rank: int = 0, tp: int = 1, group: Any = None,
+def build(checkpoint: Checkpoint, tp_rank: int = 0, tp: int = 1, group: Any = None,
           dtype: Any = torch.float32) -> LlamaStage:
     c = checkpoint.config
     share = rank_share(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
@@ -98,7 +96,8 @@ def test_prefill_logits_match_transformers(tmp_path: Path, name: str) -> None:
     directory = save_random_llama(tmp_path, **overrides)
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = reference_logits(directory, ids, qwen2=overrides.get("qwen2", False))
-    stage = build(StandInCheckpoint(directory))
+    with open_checkpoint(directory) as checkpoint:
+        stage = build(checkpoint)
     got = run(stage, new_cache(stage), [(ids, [9, 2, 7, 4, 0, 5], 0)])
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
@@ -126,9 +125,10 @@ def test_unknown_rope_type_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, StandInCheckpoint]:
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Checkpoint]]:
     directory = save_random_llama(tmp_path_factory.mktemp("llama"))
-    return directory, StandInCheckpoint(directory)
+    with open_checkpoint(directory) as checkpoint:
+        yield directory, checkpoint
 
 
 def test_chunked_prefill_and_decode_equal_one_whole_prefill(llama: Any) -> None:
@@ -172,7 +172,8 @@ def test_tensor_parallel_shards_reproduce_one_rank(llama: Any, tp: int) -> None:
     expected = run(build(checkpoint), new_cache(build(checkpoint)), [(prompt, blocks, 0)])
 
     def rank(tp_rank: int, group: Any) -> Any:
-        stage = build(StandInCheckpoint(directory), tp_rank, tp, group)
+        with open_checkpoint(directory) as own:
+            stage = build(own, tp_rank, tp, group)
         cache = new_cache(stage)
         prefill = run(stage, cache, [(prompt[:-1], blocks, 0)])
         decode = run(stage, cache, [(prompt[-1:], blocks, len(prompt) - 1)])
@@ -192,3 +193,36 @@ def test_bfloat16_stays_close_to_float32(llama: Any) -> None:
     assert got.dtype == torch.float32
     # bfloat16 keeps 8 bits of mantissa: ~0.4% per rounding, a few roundings per layer.
     assert float((got - expected).abs().max()) < 0.1 * float(expected.abs().max())
+
+
+def test_a_decoupled_head_dim_matches_transformers_on_hf_gguf_and_tp2(tmp_path: Path) -> None:
+    """6 heads of 24 on a hidden size of 96 (not 96 / 6 = 16): q_proj has 144 rows and
+    o_proj 144 columns.  (transformers wants hidden_size divisible by the heads even
+    then; the loader does not, test_loader_config checks that.)"""
+    pytest.importorskip("gguf")
+    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+
+    directory = write_tiny_checkpoint(tmp_path / "hf", hidden_size=96, num_attention_heads=6,
+                                      num_key_value_heads=2, head_dim=24, num_hidden_layers=2,
+                                      tie_word_embeddings=False)
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", directory, qtype="F32")
+    ids = torch.randint(0, 389, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = reference_logits(directory, ids)
+    blocks = [2, 0, 5, 1, 3]
+    for path in (directory, gguf_path):
+        with open_checkpoint(path) as checkpoint:
+            assert checkpoint.config.head_dim == 24
+            assert checkpoint.shape("model.layers.0.self_attn.o_proj.weight") == (96, 144)
+            stage = build(checkpoint)
+        torch.testing.assert_close(run(stage, new_cache(stage), [(ids, blocks, 0)]), expected,
+                                   atol=ATOL, rtol=0)
+
+    def rank(tp_rank: int, group: Any) -> Any:
+        with open_checkpoint(directory) as own:
+            stage = build(own, tp_rank, 2, group)
+        cache = new_cache(stage)
+        prefill = run(stage, cache, [(ids[:-1], blocks, 0)])
+        return torch.cat([prefill, run(stage, cache, [(ids[-1:], blocks, len(ids) - 1)])])
+
+    for result in run_ranks(2, rank):
+        torch.testing.assert_close(result, expected, atol=ATOL, rtol=0)

@@ -8,9 +8,14 @@ Two sources give the same frozen object:
 Everything the model cannot run is refused here, at load time, with a
 ``CheckpointError`` (a ``ValueError``) that names the file and the field:
 an unknown architecture, mixture-of-experts, a sliding window shorter than
-the context, a missing field, a head size that does not tile the hidden size,
-a rope scaling form this stack does not implement.  The model then trusts the
-config and never re-checks it.
+the context, a missing field, an odd head size, a rope scaling form this
+stack does not implement.  The model then trusts the config and never
+re-checks it.
+
+The head size need not tile the hidden size: config.json's ``head_dim`` or
+GGUF's ``<arch>.attention.key_length`` sets it (q_proj then has ``heads ×
+head_dim`` rows, o_proj as many columns; the loader checks the tensors'
+shapes); only without one is it ``hidden_size / heads``, which must divide.
 
 ``rope_scaling`` is kept in Hugging Face's config.json form, normalised so the
 kind is always under ``"rope_type"`` (``"linear"``, ``"dynamic"``,
@@ -156,7 +161,7 @@ class ModelConfig:
             num_hidden_layers=field.get("num_hidden_layers", int),
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=head_dim if head_dim is not None else hidden_size // max(num_heads, 1),
+            head_dim=_head_dim(head_dim, hidden_size, num_heads, source, "head_dim"),
             rms_norm_eps=float(field.get("rms_norm_eps", float, default=1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=normalize_rope_scaling(rope_scaling, source, max_pos),
@@ -186,13 +191,16 @@ class ModelConfig:
         hidden_size = field.get(f"{arch}.embedding_length", int)
         num_heads = field.get(f"{arch}.attention.head_count", int)
         num_kv_heads = field.get(f"{arch}.attention.head_count_kv", int, default=num_heads)
-        head_dim = hidden_size // max(num_heads, 1)
-        for key in (f"{arch}.attention.key_length", f"{arch}.attention.value_length",
-                    f"{arch}.rope.dimension_count"):
+        key_key = f"{arch}.attention.key_length"
+        head_dim = _head_dim(field.get(key_key, int, default=None), hidden_size, num_heads,
+                             source, key_key)
+        # One head size serves K, V and the rotation: no split sizes, no partial rotary.
+        for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
             value = field.get(key, int, default=None)
             if value is not None and value != head_dim:
                 raise CheckpointError(source, key, f"{value} differs from the head size "
-                                      f"{head_dim} (embedding_length / head_count)")
+                                      f"{head_dim} ({key_key}, else embedding_length / "
+                                      "head_count): not supported")
         max_pos = field.get(f"{arch}.context_length", int)
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab_size = field.get(f"{arch}.vocab_size", int, default=None)
@@ -243,9 +251,6 @@ class ModelConfig:
         if heads % kv_heads:
             raise CheckpointError(source, "num_key_value_heads",
                                   f"{kv_heads} does not divide num_attention_heads={heads}")
-        if values["head_dim"] * heads != values["hidden_size"]:
-            raise CheckpointError(source, "head_dim", f"head_dim={values['head_dim']} × "
-                                  f"{heads} heads != hidden_size={values['hidden_size']}")
         if values["head_dim"] % 2:
             raise CheckpointError(source, "head_dim", "rotary embeddings need an even head size")
         for name in ("rms_norm_eps", "rope_theta"):
@@ -253,6 +258,18 @@ class ModelConfig:
                 raise CheckpointError(source, name, f"must be a positive finite number, "
                                       f"got {values[name]}")
         return cls(**values)
+
+
+def _head_dim(explicit: int | None, hidden_size: int, num_heads: int, source: str | Path,
+              key: str) -> int:
+    """The explicit head size, else ``hidden_size / num_heads`` when that divides
+    (non-positive sizes are left to ``validated``, which names them)."""
+    if explicit is not None:
+        return explicit
+    if hidden_size > 0 and num_heads > 0 and hidden_size % num_heads:
+        raise CheckpointError(source, key, f"missing, and the hidden size {hidden_size} is not "
+                              f"a multiple of {num_heads} heads")
+    return hidden_size // max(num_heads, 1)
 
 
 def normalize_rope_scaling(

@@ -32,10 +32,8 @@ from mpexec.models.layers.parallel import ParallelGroup
 from mpexec.models.layers.rotary import RotaryEmbedding, rope_type_of
 from mpexec.models.sharding import RankShare
 
-# ModelConfig names the family ("llama" covers Mistral and SmolLM); the Hugging
-# Face class names are accepted too.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                           "MistralForCausalLM")
+# ModelConfig names the family ("llama" covers Mistral and SmolLM).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
 class CheckpointReader(Protocol):
@@ -48,7 +46,8 @@ class CheckpointReader(Protocol):
 
 
 def head_dim_of(config: Any) -> int:
-    return int(config.head_dim or config.hidden_size // config.num_attention_heads)
+    """The head size: the config's, which need not be hidden_size / heads."""
+    return int(config.head_dim)
 
 
 def check_supported(config: Any) -> None:

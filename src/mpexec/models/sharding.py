@@ -8,7 +8,9 @@ Tensor parallelism splits four things across the ``tp`` ranks of a group:
   (9 query / 3 KV heads on TP=2: ranks hold 6+3 query and 2+1 KV heads).
   When ``tp > kv`` every rank holds exactly one KV head (replicated on the
   ranks that share it) and a contiguous part of that head's ``g`` query heads;
-  the ranks are spread over the KV heads as evenly as possible.
+  the ranks are spread over the KV heads as evenly as possible.  Heads are
+  split whole, so the head size does not enter: a rank's q_proj rows are
+  ``[q_start · head_dim, q_stop · head_dim)`` whatever ``hidden_size`` is.
 - MLP intermediate rows, split as evenly as possible (uneven when they do
   not divide);
 - vocabulary rows of the embedding and the LM head, likewise.

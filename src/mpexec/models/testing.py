@@ -55,6 +55,7 @@ def write_tiny_checkpoint(
     hidden_size: int = 144,
     num_attention_heads: int = 9,
     num_key_value_heads: int = 3,
+    head_dim: int | None = None,
     num_hidden_layers: int = 4,
     intermediate_size: int = 187,
     vocab_size: int = 389,
@@ -73,6 +74,8 @@ def write_tiny_checkpoint(
 
     ``attention_bias=True`` writes a Qwen2-style checkpoint (q/k/v biases).
     ``shards=1`` writes a single ``model.safetensors`` without an index.
+    ``head_dim`` decouples the head size from ``hidden_size / num_attention_heads``
+    (q_proj then has ``num_attention_heads × head_dim`` rows).
     """
     import numpy as np
     from safetensors.numpy import save_file
@@ -92,7 +95,7 @@ def write_tiny_checkpoint(
         "num_hidden_layers": num_hidden_layers,
         "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads,
-        "head_dim": hidden_size // num_attention_heads,
+        "head_dim": head_dim if head_dim is not None else hidden_size // num_attention_heads,
         "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": rms_norm_eps,
@@ -157,6 +160,7 @@ def write_tiny_gguf(
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
     writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     ints = {"context_length": config["max_position_embeddings"],
             "embedding_length": config["hidden_size"],
             "block_count": config["num_hidden_layers"],
@@ -164,7 +168,10 @@ def write_tiny_gguf(
             "attention.head_count": config["num_attention_heads"],
             "attention.head_count_kv": config["num_key_value_heads"],
             "vocab_size": config["vocab_size"],
-            "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"]}
+            # as llama.cpp's converter writes an explicit head_dim
+            "attention.key_length": head_dim,
+            "attention.value_length": head_dim,
+            "rope.dimension_count": head_dim}
     ints.update(metadata_changes or {})
     for key, value in ints.items():
         writer.add_uint32(f"{arch}.{key}", value)
@@ -172,7 +179,6 @@ def write_tiny_gguf(
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
 
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
     gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
     quant = gguf.GGMLQuantizationType[qtype]
     for hf, values in tensors.items():
