@@ -1,8 +1,9 @@
 """``mpexec generate --nnodes 2`` on the leader plus ``mpexec node`` on the follower.
 
-Both are subprocesses on 127.0.0.1, each in its own session, told apart by
-``MPEXEC_NODE_ID`` (so TP goes through gloo between them); the tiny
-checkpoint, greedy sampling, TP=2 split 1 + 1.
+Both are subprocesses on 127.0.0.1, each in its own session, with the
+default node identity (so the TP group finds one host and uses shared
+memory between the two trees; test_model_two_nodes.py covers gloo); the
+tiny checkpoint, greedy sampling, TP=2 split 1 + 1.
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ def test_generate_across_two_nodes_prints_what_one_node_prints(tiny: Path) -> No
     assert code == 0, err
     one_node = rows(out)
     port = free_port()
-    follower = mpexec(*follower_args(port), node_id="follower-1")
-    leader = mpexec(*generate_args(tiny, "--nnodes", "2", "--master-port", str(port)),
-                    node_id="leader")
+    follower = mpexec(*follower_args(port))
+    leader = mpexec(*generate_args(tiny, "--nnodes", "2", "--master-port", str(port)))
     code, out, err = finish(leader, 120)
     f_code, _f_out, f_err = finish(follower, 30)
     assert code == 0, err + f_err

@@ -4,9 +4,9 @@ The leader's LLM runs here; the follower is ``run_follower`` in a new
 session.  Both are on this host, so ``MPEXEC_NODE_ID`` gives each "node" its
 own identity: the process groups then treat the two workers as on different
 machines and their collectives (TP all-reduce, PP send/recv) go through
-gloo over TCP, the path two real hosts take.  One TP case keeps the default
-identity, where the groups find that both workers share this host and use
-shared memory across the two process trees.
+gloo over TCP, the path two real hosts take.  (The CLI test,
+test_cli_two_nodes.py, keeps the default identity: there the groups find
+that both workers share this host and use shared memory between the trees.)
 """
 
 from __future__ import annotations
@@ -111,16 +111,6 @@ def run_two_nodes(tiny: Path, tp: int, pp: int, follower_node_id: str | None,
 
 
 @pytest.mark.timeout(180)
-def test_tp2_split_across_two_nodes_through_gloo(
-        tiny: Path, one_node_tokens: list[list[int]],
-        leader_node_id: None) -> None:
-    tokens, paths = run_two_nodes(tiny, 2, 1, "follower-1")
-    assert tokens == one_node_tokens
-    assert [p["node"] for p in paths] == ["node-id/leader", "node-id/follower-1"]
-    assert [p["tp_shm"] for p in paths] == [False, False]  # the all-reduce took gloo
-
-
-@pytest.mark.timeout(180)
 def test_pp2_one_stage_per_node_through_gloo(
         tiny: Path, one_node_tokens: list[list[int]],
         leader_node_id: None) -> None:
@@ -146,23 +136,22 @@ while True:  # generating until killed
 
 
 @pytest.mark.timeout(120)
-def test_follower_killed_mid_generation_fails_generate_naming_the_node(
-        tiny: Path, one_node_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Default node identities here: the groups see one host and use shared
-    memory across the two process trees (same tokens); then the follower dies."""
+def test_tp2_split_across_two_nodes_through_gloo_then_the_follower_dies(
+        tiny: Path, one_node_tokens: list[list[int]], leader_node_id: None) -> None:
+    """One node's tokens, the all-reduce through gloo; then the follower is
+    killed mid-generation and ``generate`` fails naming its node."""
     from mpexec import SamplingParams, WorkerDiedError
 
-    monkeypatch.delenv("MPEXEC_NODE_ID", raising=False)
     port = free_port()
-    follower = start_model_follower(port, None)
+    follower = start_model_follower(port, "follower-1")
     try:
         llm = make_llm(tiny, 2, 1, nnodes=2, master_port=port, cluster_secret=SECRET,
                        execute_model_timeout_s=60.0)
         try:
             assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == one_node_tokens
             paths = llm.engine.executor.collective_rpc(paths_taken, timeout=30)
-            assert paths[0]["node"] == paths[1]["node"]
-            assert [p["tp_shm"] for p in paths] == [True, True]
+            assert [p["node"] for p in paths] == ["node-id/leader", "node-id/follower-1"]
+            assert [p["tp_shm"] for p in paths] == [False, False]  # the all-reduce took gloo
             stream = llm.generate_stream(PROMPTS, SamplingParams(
                 temperature=0, max_tokens=400, ignore_eos=True))
             # Well before the 60 s call deadline: the node's heartbeat (2 s)

@@ -35,11 +35,12 @@ refuses the next call at once; nothing waits forever (the futures of a dead
 executor fail at once, and every call has the executor's timeout).
 
 A worker that raised because its peer died (gloo's "connection reset" when
-the other end of an all-reduce is gone) is a symptom: before failing with
-that ``WorkerError`` the engine gives the executor a moment to notice the
-death (``node_timeout_s`` plus two heartbeats when workers span several
-nodes, half a second on one) and, if it does, fails with the executor's
-``WorkerDiedError`` instead, which names the dead worker or node.
+the other end of an all-reduce is gone), or a queue that closed under a
+call, is a symptom: before failing with that error the engine gives the
+executor a moment to notice the death (``node_timeout_s`` plus two
+heartbeats when workers span several nodes, half a second on one) and, if
+it does, fails with the executor's ``WorkerDiedError`` instead, which names
+the dead worker or node.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from mpexec.config import ExecutorConfig
 from mpexec.engine.block_manager import blocks_for
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
-from mpexec.errors import MpexecError, WorkerDiedError, WorkerError
+from mpexec.errors import MpexecError, QueueClosedError, WorkerDiedError, WorkerError
 from mpexec.executor import Executor
 from mpexec.outputs import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
@@ -204,7 +205,10 @@ class Engine:
 
     def _death_behind(self, exc: BaseException) -> WorkerDiedError | None:
         """The executor's ``WorkerDiedError`` if a death lies behind a worker's error."""
-        if not isinstance(exc, WorkerError):
+        # QueueClosedError: a remote worker that exits in order (its node is
+        # being killed) closes its end of the broadcast queue before the
+        # leader hears the node is lost.
+        if not isinstance(exc, (WorkerError, QueueClosedError)):
             return None
         config = self.executor.config
         grace = 0.5
