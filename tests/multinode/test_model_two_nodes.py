@@ -218,3 +218,17 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_mpexec_node_id_overrides_the_node_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from mpexec.distributed.shm_collectives import node_identity
+    from mpexec.envs import load_envs
+
+    monkeypatch.delenv("MPEXEC_NODE_ID", raising=False)
+    host = node_identity()
+    assert host.startswith(os.uname().nodename)
+    monkeypatch.setenv("MPEXEC_NODE_ID", " rack-2/node-7 ")
+    assert node_identity() == "node-id/rack-2/node-7" != host
+    monkeypatch.setenv("MPEXEC_NODE_ID", "")
+    assert node_identity() == host and load_envs().node_id is None
