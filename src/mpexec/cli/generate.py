@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -143,7 +144,8 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     except WorkerStartupError as exc:
         if nnodes > 1 and "did not join" in str(exc):
             # The user's next step, on the one line the CLI prints.
-            rank = 1 if nnodes == 2 else "R"
+            missing = re.findall(r"node (\d+) \(ranks", str(exc))
+            rank = missing[0] if len(missing) == 1 else "R"
             command = follower_command(nnodes, rank, nodes["master_addr"],
                                        nodes["master_port"])
             raise WorkerStartupError(f"{str(exc).splitlines()[0]}; on each missing node "
