@@ -12,6 +12,7 @@ that both workers share this host and use shared memory between the trees.)
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -182,7 +183,8 @@ def test_leader_killed_mid_generation_ends_the_follower(tiny: Path) -> None:
                               stderr=subprocess.DEVNULL, text=True)
     try:
         assert leader.stdout is not None
-        assert leader.stdout.readline() == "generating\n"  # bounded by the test timeout
+        ready, _, _ = select.select([leader.stdout], [], [], 90)
+        assert ready and leader.stdout.readline() == "generating\n"
         follower_tree = tree_of(follower.pid)
         assert len(follower_tree) >= 2  # the follower and its worker
         kill_tree(leader.pid)
