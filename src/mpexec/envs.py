@@ -31,6 +31,13 @@ MPEXEC_CLUSTER_SECRET                    (none)     the secret that authenticate
 MPEXEC_RAY_ADDRESS                       (unset)    the Ray cluster the "ray"
                                                     backend joins (unset: it
                                                     starts a local one)
+MPEXEC_NODE_ID                           (unset)    this process's node, as
+                                                    process groups see it
+                                                    (unset: host name and
+                                                    boot id); different
+                                                    values make processes
+                                                    of one host use the
+                                                    cross-node path (gloo)
 =======================================  =========  ==========================
 """
 
@@ -63,6 +70,7 @@ class Envs:
     trace: bool = False
     cluster_secret: str | None = field(default=None, repr=False)
     ray_address: str | None = None
+    node_id: str | None = None
 
 
 def _parse_bool(text: str) -> bool:
@@ -161,4 +169,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
         cluster_secret=env.get("MPEXEC_CLUSTER_SECRET") or None,
         ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
+        node_id=_read(env, "MPEXEC_NODE_ID", _parse_address, d.node_id),
     )

@@ -80,3 +80,48 @@ def test_a_worker_dying_during_generate_exits_1(monkeypatch: pytest.MonkeyPatch,
     assert code == 1
     assert "mpexec generate: error: a worker died" in err and "SIGKILL" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "secret", "message"), [
+    (["--nnodes", "2", "--master-port", "29500"], None,
+     "several nodes need a cluster secret, the same on every node: set MPEXEC_CLUSTER_SECRET"),
+    (["--nnodes", "2", "--master-port", "29500"], "short",
+     "the cluster secret must be at least 16 bytes"),
+    (["--nnodes", "2"], "a-test-cluster-secret-0123456789", "--nnodes 2 needs --master-port"),
+    (["--nnodes", "2", "--master-port", "29500", "--tp", "3"],
+     "a-test-cluster-secret-0123456789", "do not split evenly over --nnodes 2"),
+    (["--nnodes", "2", "--master-port", "29500", "--backend", "uni", "--tp", "1"],
+     "a-test-cluster-secret-0123456789", "--nnodes > 1 needs --backend mp"),
+    (["--nnodes", "2", "--node-rank", "2"], None, "--node-rank 2 must be in [0, --nnodes 2)"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port",
+      "29500"], None,
+     "On this node run: MPEXEC_CLUSTER_SECRET=... mpexec node --nnodes 2 --node-rank 1 "
+     "--master-addr 10.0.0.1 --master-port 29500"),
+])
+def test_several_nodes_mistakes_are_one_line_before_anything_starts(
+        flags: list[str], secret: str | None, message: str, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    if secret is None:
+        monkeypatch.delenv("MPEXEC_CLUSTER_SECRET", raising=False)
+    else:
+        monkeypatch.setenv("MPEXEC_CLUSTER_SECRET", secret)
+    code = cli.main(["generate", "--model", str(tmp_path), "--tp", "2", "--prompt", "x",
+                     *flags])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_the_secret_file_wins_over_the_environment(tmp_path: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-the-file-0123456789\n")
+    monkeypatch.setenv("MPEXEC_CLUSTER_SECRET", "from-the-environment-0123")
+    args = cli.build_parser().parse_args(
+        ["generate", "--prompt", "x", "--tp", "2", "--nnodes", "2", "--master-port", "29500",
+         "--secret-file", str(secret_file)])
+    options = generate.node_options(args, 2, 1)
+    assert options == {"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1",
+                       "master_port": 29500, "cluster_secret": "from-the-file-0123456789"}
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert generate.node_options(args, 1, 1) == {}

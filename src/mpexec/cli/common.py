@@ -26,22 +26,45 @@ def check_model(model: str) -> None:
                          "a .gguf file, or 'default')")
 
 
-def check_layout(tp: int, pp: int) -> None:
-    """CPU workers need a CPU each: refuse TP x PP beyond this machine."""
+def check_layout(tp: int, pp: int, nnodes: int = 1) -> None:
+    """CPU workers need a CPU each: refuse this node's share of TP x PP beyond this machine."""
     from mpexec.engine.llm import cuda_available
 
+    local = tp * pp // nnodes
+    what = f"--tp {tp} x --pp {pp} = {tp * pp}"
+    if nnodes > 1:
+        what += f" / --nnodes {nnodes} = {local}"
     if cuda_available():
         import torch
 
         count = torch.cuda.device_count()
-        if tp * pp > count:
-            raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers, but "
-                             f"{count} CUDA devices are visible")
+        if local > count:
+            raise UsageError(f"{what} workers, but {count} CUDA devices are visible")
         return
     cpus = usable_cpus()
-    if tp * pp > cpus:
-        raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} CPU workers, but this machine "
+    if local > cpus:
+        raise UsageError(f"{what} CPU workers, but this machine "
                          f"has {cpus} usable CPUs (one worker needs one)")
+
+
+def read_secret(secret_file: Path | None) -> str | None:
+    """The cluster secret: ``--secret-file`` if given, else ``MPEXEC_CLUSTER_SECRET``."""
+    if secret_file is not None:
+        try:
+            return secret_file.read_text().strip() or None
+        except OSError as exc:
+            raise UsageError(f"cannot read --secret-file: {exc}") from exc
+    from mpexec.envs import load_envs
+
+    return load_envs().cluster_secret
+
+
+def follower_command(nnodes: int, node_rank: int | str, master_addr: str,
+                     master_port: int | str) -> str:
+    """What to run on follower ``node_rank`` of a leader at ``master_addr:master_port``."""
+    return (f"MPEXEC_CLUSTER_SECRET=... mpexec node --nnodes {nnodes} "
+            f"--node-rank {node_rank} --master-addr {master_addr} "
+            f"--master-port {master_port}")
 
 
 def require_torch(command: str) -> None:

@@ -6,17 +6,34 @@ checkpoint's tokenizer does (BOS only if the checkpoint asks for one); with
 chat template.  ``--json`` prints one JSON object per prompt, one per line,
 in the order given: ``text``, ``token_ids`` (generated only),
 ``finish_reason`` ("stop" or "length") and ``timings`` (wall-clock seconds).
+
+Several nodes: ``--nnodes N --master-addr HOST --master-port PORT`` makes
+this process the leader (node 0): it starts its share of the workers, waits
+(``MPEXEC_STARTUP_TIMEOUT_SECONDS``) for ``mpexec node --node-rank R ...``
+on every other node, and prints the outputs as on one node.  The cluster
+secret, the same on every node, comes from ``--secret-file`` or
+``MPEXEC_CLUSTER_SECRET``.  ``generate`` runs on node 0 only: with
+``--node-rank R > 0`` it says which ``mpexec node`` command to run instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 from mpexec.cli import UsageError
-from mpexec.cli.common import Progress, check_layout, check_model, require_torch
+from mpexec.cli.common import (
+    Progress,
+    check_layout,
+    check_model,
+    follower_command,
+    read_secret,
+    require_torch,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    nodes = parser.add_argument_group(
+        "several nodes", "this process leads (node 0); run `mpexec node` on every other node")
+    nodes.add_argument("--nnodes", type=_positive_int, default=1,
+                       help="nodes the workers span (1)")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="0, the leader (other nodes run `mpexec node`)")
+    nodes.add_argument("--master-addr", default="127.0.0.1",
+                       help="this leader's address, reachable from every node (127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=None,
+                       help="the port the followers dial (needed with --nnodes > 1)")
+    nodes.add_argument("--secret-file", type=Path, default=None,
+                       help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -58,22 +87,70 @@ def sampling_params(args: argparse.Namespace) -> Any:
                          .replace("top_p", "--top-p").replace("top_k", "--top-k")) from None
 
 
+def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
+    """The LLM's multi-node arguments from ``--nnodes`` and friends ({} on one node)."""
+    nnodes = getattr(args, "nnodes", 1)
+    rank = getattr(args, "node_rank", 0)
+    addr = getattr(args, "master_addr", "127.0.0.1")
+    port = getattr(args, "master_port", None)
+    if not 0 <= rank < nnodes:
+        raise UsageError(f"--node-rank {rank} must be in [0, --nnodes {nnodes})")
+    if rank > 0:
+        raise UsageError(
+            f"node {rank} is a follower; `mpexec generate` runs on the leader (node 0) only. "
+            f"On this node run: {follower_command(nnodes, rank, addr, port or 'PORT')}")
+    if nnodes == 1:
+        return {}
+    if args.backend != "mp":
+        raise UsageError("--nnodes > 1 needs --backend mp")
+    if port is None or not 0 < port < 65536:
+        raise UsageError(f"--nnodes {nnodes} needs --master-port: the port (1-65535) on "
+                         f"{addr} the followers dial")
+    if (tp * pp) % nnodes:
+        raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers do not split evenly "
+                         f"over --nnodes {nnodes}")
+    secret = read_secret(getattr(args, "secret_file", None))
+    if not secret:
+        raise UsageError("several nodes need a cluster secret, the same on every node: set "
+                         "MPEXEC_CLUSTER_SECRET or give --secret-file")
+    if len(secret.encode()) < 16:
+        raise UsageError("the cluster secret must be at least 16 bytes")
+    return {"nnodes": nnodes, "node_rank": 0, "master_addr": addr, "master_port": port,
+            "cluster_secret": secret}
+
+
 def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     """The LLM the command line describes (checked first, so mistakes fail fast)."""
     check_model(args.model)
-    check_layout(tp, pp)
+    nodes = node_options(args, tp, pp)
+    nnodes = nodes.get("nnodes", 1)
+    check_layout(tp, pp, nnodes)
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
+    from mpexec.errors import WorkerStartupError
 
     progress = Progress()
-    progress.update(f"starting {tp * pp} worker(s) and loading {args.model} ...", force=True)
+    where = f" here, waiting for {nnodes - 1} follower node(s)" if nnodes > 1 else ""
+    progress.update(f"starting {tp * pp // nnodes} worker(s){where} and loading "
+                    f"{args.model} ...", force=True)
     try:
         return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                    executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
                    seed=getattr(args, "seed", 0),
                    async_scheduling=getattr(args, "async_scheduling", False),
                    max_model_len=getattr(args, "max_model_len", None),
-                   max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level)
+                   max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level,
+                   **nodes)
+    except WorkerStartupError as exc:
+        if nnodes > 1 and "did not join" in str(exc):
+            # The user's next step, on the one line the CLI prints.
+            missing = re.findall(r"node (\d+) \(ranks", str(exc))
+            rank = missing[0] if len(missing) == 1 else "R"
+            command = follower_command(nnodes, rank, nodes["master_addr"],
+                                       nodes["master_port"])
+            raise WorkerStartupError(f"{str(exc).splitlines()[0]}; on each missing node "
+                                     f"run: {command}") from exc
+        raise
     finally:
         progress.done()
 

@@ -31,14 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mpexec.cli import UsageError
+    from mpexec.cli.common import read_secret
     from mpexec.executor.node import run_follower
 
-    secret = None
-    if args.secret_file is not None:
-        try:
-            secret = args.secret_file.read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"cannot read --secret-file: {exc}") from exc
+    secret = read_secret(args.secret_file)
+    if not secret:
+        raise UsageError("a follower node needs the leader's cluster secret: set "
+                         "MPEXEC_CLUSTER_SECRET or give --secret-file")
     try:
         return run_follower(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                             secret=secret, bind_addr=args.bind_addr,

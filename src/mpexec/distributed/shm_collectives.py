@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from mpexec.distributed.liveness import PeerWatch
+from mpexec.envs import load_envs
 from mpexec.ipc import sync
 from mpexec.ipc.shm import Segment, segment_name
 from mpexec.ipc.waiting import wait_until
@@ -381,7 +382,16 @@ def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 
 def node_identity() -> str:
-    """The same string for every process of one machine (and one boot)."""
+    """The same string for every process of one machine (and one boot).
+
+    ``MPEXEC_NODE_ID`` overrides it: processes of one host given different
+    values treat each other as on different nodes (no shared memory between
+    them, gloo instead), which is how the two-node tests on 127.0.0.1 take
+    the cross-node path.
+    """
+    override = load_envs().node_id
+    if override is not None:
+        return f"node-id/{override}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

@@ -21,6 +21,13 @@ A failure of the engine (a worker died or raised) reaches the caller of
 the LLM is dead from then on (``EngineDeadError``) and only ``shutdown()``
 remains to do.  ``worker_cls`` and ``tokenizer`` let an engine builder run
 the same API on a worker of their own (the tests use a fake model).
+
+Several nodes: ``LLM(..., nnodes=N, master_addr=..., master_port=...)`` on
+the leader (node 0; the cluster secret from ``cluster_secret=`` or
+``MPEXEC_CLUSTER_SECRET``) waits for ``mpexec node`` on every other node;
+those run the remaining ranks and open the checkpoint at the same path (or
+fetch "default" themselves).  Everything else - tokenizer, scheduler, KV
+cache sizing - runs on the leader as on one node.
 """
 
 from __future__ import annotations
@@ -74,6 +81,10 @@ class LLM:
         *,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
         executor_backend: str | type = "mp",
         dtype: str = "auto",
         seed: int = 0,
@@ -93,20 +104,27 @@ class LLM:
     ) -> None:
         self._engine: Engine | None = None
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                  pipeline_parallel_size=pipeline_parallel_size)
+                                  pipeline_parallel_size=pipeline_parallel_size,
+                                  nnodes=nnodes, node_rank=node_rank,
+                                  master_addr=master_addr, master_port=master_port)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
-        world = parallel.world_size
+        world = parallel.local_world_size  # the workers of this node
         if device_type == "cpu" and worker_cls == MODEL_WORKER and world > usable_cpus():
+            on_node = f" on this node (of {parallel.world_size})" if nnodes > 1 else ""
             raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} CPU workers, but "
-                f"this machine has {usable_cpus()} usable CPUs: one worker needs one CPU")
+                f"tensor_parallel_size x pipeline_parallel_size = {world} CPU workers"
+                f"{on_node}, but this machine has {usable_cpus()} usable CPUs: one worker "
+                "needs one CPU")
         is_model_worker = worker_cls == MODEL_WORKER
         if is_model_worker:
             path = _resolve(model)
             if num_threads is None and device_type == "cpu":
                 num_threads = max(1, usable_cpus() // world)
+            # Follower nodes open the checkpoint at the same path; "default"
+            # travels as it is, so each node fetches (or finds) its own copy.
+            spec = "default" if nnodes > 1 and str(model) == "default" else str(path)
             kwargs: dict[str, Any] = {
-                "model": str(path), "dtype": dtype, "block_size": block_size,
+                "model": spec, "dtype": dtype, "block_size": block_size,
                 "max_model_len": max_model_len,  # None: the checkpoint's
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,

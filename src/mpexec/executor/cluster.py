@@ -182,29 +182,29 @@ class NodeServer:
     def admit(self, assignment_for: Callable[[int], NodeAssignment], deadline: float,
               timeout_s: float) -> None:
         """Wait for every follower's JOIN; answer each with its CONFIG."""
-        def joined() -> bool:
-            return all(n.session is not None for n in self.nodes.values())
+        def joined(node: RemoteNodeHandle) -> bool:
+            return node.session is not None
 
         self._serve_until(joined, deadline, timeout_s, "join", assignment_for)
 
     def collect(self, deadline: float, timeout_s: float) -> dict[int, Handle]:
         """Every follower's READY: the reply-queue handle of each remote rank."""
-        def ready() -> bool:
-            return all(len(n.reply_handles) == len(n.ranks) for n in self.nodes.values())
+        def ready(node: RemoteNodeHandle) -> bool:
+            return len(node.reply_handles) == len(node.ranks)
 
         self._serve_until(ready, deadline, timeout_s, "report READY", None)
         return {rank: h for n in self.nodes.values() for rank, h in n.reply_handles.items()}
 
-    def _serve_until(self, done: Callable[[], bool], deadline: float, timeout_s: float,
-                     what: str, assignment_for: Callable[[int], NodeAssignment] | None,
-                     ) -> None:
-        while not done():
+    def _serve_until(self, node_done: Callable[[RemoteNodeHandle], bool], deadline: float,
+                     timeout_s: float, what: str,
+                     assignment_for: Callable[[int], NodeAssignment] | None) -> None:
+        while not all(node_done(n) for n in self.nodes.values()):
             for node in self.nodes.values():
                 if node.gone.is_set():
                     raise WorkerStartupError(f"{node.how}", rank=node.rank)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                late = [n.name for n in self.nodes.values() if not done()]
+                late = [n.name for n in self.nodes.values() if not node_done(n)]
                 raise WorkerStartupError(f"follower node(s) did not {what} within "
                                          f"{timeout_s:g}s (startup_timeout_s): "
                                          f"{', '.join(late)}")
