@@ -18,7 +18,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 np = pytest.importorskip("numpy")
 
-from mpexec.errors import QueueClosedError  # noqa: E402
+from mpexec.errors import QueueClosedError, UndecodableMessageError  # noqa: E402
 from mpexec.ipc import MessageQueue  # noqa: E402
 from mpexec.ipc.auth import (  # noqa: E402
     DATA,
@@ -122,6 +122,28 @@ def test_wrong_secret_is_refused_with_a_clear_error() -> None:
     finally:
         reader.shutdown()
         writer.shutdown()
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+class _Unloadable:
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())
+
+
+def test_a_message_that_does_not_unpickle_is_reported_and_the_reader_goes_on(
+        trio: Any) -> None:
+    writer, local, remote = trio
+    writer.enqueue(_Unloadable())
+    for reader in (local, remote):
+        with pytest.raises(UndecodableMessageError, match="could not be unpickled") as info:
+            reader.dequeue(5)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    writer.enqueue("next")
+    assert local.dequeue(5) == remote.dequeue(5) == "next"
+    assert remote.drops.total == 0
 
 
 def test_writer_shutdown_ends_remote_reader(trio: Any) -> None:

@@ -59,7 +59,7 @@ _INLINE = 1
 _LEN = struct.Struct("<Q")
 
 # Frame kinds (queues and the node control channel share the numbering).
-HELLO, WELCOME, DATA, ACK, CLOSE = 1, 2, 3, 4, 5
+HELLO, WELCOME, DATA, ACK, CLOSE, RESUME = 1, 2, 3, 4, 5, 6
 JOIN, CONFIG, READY, PING, FAILED, BYE = 10, 11, 12, 13, 14, 15
 
 # Not authenticated (the two ends do not share a key): a refusal carries

@@ -1,10 +1,18 @@
 """The reader end of a queue on another host: :class:`RemoteReader`.
 
-The protocol is drawn in ``remote``: attach sends HELLO, ``wait_until_ready``
-waits for the writer's WELCOME, ``dequeue`` takes the DATA frame with the
-next sequence number (anything else is dropped unopened and counted in
-``drops``) and ACKs every half window.  A refusal during the handshake is an
-:class:`~mpexec.ipc.auth.AuthenticationError`.
+The protocol is drawn in ``remote`` and ``resend``: attach sends HELLO,
+``wait_until_ready`` waits for the writer's WELCOME, ``dequeue`` takes the
+DATA frame with the next sequence number and ACKs every half window (at once
+after a large message, so the writer's resend log lets it go).  A DATA frame
+further on means frames were lost with a connection: the reader asks with
+RESUME for the one it expects, as it does after ``SILENCE_S`` with nothing
+heard (the last frames, or an ACK, may have been lost); the writer resends.
+Old frames in the range it asked for are duplicates (``recovery``), older
+ones replays (``drops``); anything failing authentication is dropped unopened
+and counted in ``drops``.  A refusal during the handshake is an
+:class:`~mpexec.ipc.auth.AuthenticationError`; a message that verifies but
+does not unpickle is an :class:`~mpexec.errors.UndecodableMessageError`
+(consumed: the reader stays usable).
 """
 
 from __future__ import annotations
@@ -13,14 +21,16 @@ import os
 import pickle
 import secrets
 import time
+from collections import Counter
 from typing import Any
 
-from mpexec.errors import QueueClosedError
+from mpexec.errors import QueueClosedError, UndecodableMessageError
 from mpexec.ipc.auth import (
     ACK,
     CLOSE,
     DATA,
     HELLO,
+    RESUME,
     WELCOME,
     AuthenticationError,
     DropCounter,
@@ -30,7 +40,7 @@ from mpexec.ipc.auth import (
     is_refusal,
 )
 from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
-from mpexec.ipc.remote import (
+from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -40,6 +50,8 @@ from mpexec.ipc.remote import (
 )
 
 _HELLO_REPEAT_S = 1.0
+SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
+GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
 
 
 class RemoteReader(MessageQueue):
@@ -77,7 +89,14 @@ class RemoteReader(MessageQueue):
         # Credit: ACK every half window (never more than a window, or the
         # writer could wait for an ACK that a caught-up reader never sends).
         self._ack_every = max(1, handle.max_chunks // 2)
+        self._window = handle.max_chunks
         self._acked = 0
+        self._control = 0              # grows with every ACK/RESUME (replay guard)
+        self._heard_at = time.monotonic()
+        self._resume_at = -float("inf")
+        self._resume_seq = -1
+        self._dup_floor = 1 << 64      # duplicates tolerated from here (asked resends)
+        self.recovery: Counter[str] = Counter()  # gaps, resume requests, duplicates
         self._welcomed = False
         assert handle.remote_token is not None
         channel = channel_name(handle.remote_token, handle.name)
@@ -101,6 +120,8 @@ class RemoteReader(MessageQueue):
         self._sock = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._events, self._pollin, self._noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
+        self._again = zmq.Again
         sock.send_multipart(self._out.seal(HELLO, rank, self._nonce, []))
 
     @property
@@ -139,19 +160,48 @@ class RemoteReader(MessageQueue):
                 message = self._receive(deadline, "dequeue")
                 if message is not None:
                     break
+            if self._seq - self._acked >= self._ack_every or len(message.parts) > 1:
+                self._tell(ACK)
         finally:
             self._busy = False
-        if self._seq - self._acked >= self._ack_every:
-            self._acked = self._seq
-            self._sock.send_multipart(self._out.seal(ACK, self.rank, self._seq, []))
-        return _decode(message)
+        try:
+            return _decode(message)
+        except Exception as exc:
+            raise UndecodableMessageError(
+                f"queue {self.name!r}: message {self._seq - 1} from the writer (remote "
+                f"reader rank {self.rank}) could not be unpickled: "
+                f"{type(exc).__name__}: {exc}") from exc
+
+    def _tell(self, kind: int) -> None:
+        """ACK or RESUME: the next sequence this reader expects (never blocks:
+        one lost is made good by the next)."""
+        self._control = (self._control + 1) & 0xFFFFFFFF
+        self._acked = self._seq
+        try:
+            self._sock.send_multipart(self._out.seal(kind, self.rank, self._seq, [],
+                                                     aux=self._control), self._noblock)
+        except self._again:
+            pass
+
+    def _resume(self, why: str) -> None:
+        now = time.monotonic()
+        if why == "gap" and self._resume_seq == self._seq and now - self._resume_at < (
+                GAP_REPEAT_S):
+            return
+        self.recovery["resume after " + why] += 1
+        # Duplicates are expected from here on; the writer keeps at most a
+        # window of messages, so nothing older than that can be a resend.
+        seq = self._seq
+        self._dup_floor = seq if self._dup_floor + self._window < seq else min(
+            self._dup_floor, seq)
+        self._resume_at, self._resume_seq = now, seq
+        self._tell(RESUME)
 
     def _receive(self, deadline: float | None, what: str) -> Opened | None:
         """Wait for one frame and handle it; a DATA frame in order is returned."""
-        zmq = zmq_module()
         sock = self._sock
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        if sock.getsockopt(self._events) & self._pollin:
+            frames = sock.recv_multipart(self._noblock, copy=False)
         else:
             frames = self._poll_receive(deadline, what)
         return self._accept(frames)
@@ -168,7 +218,10 @@ class RemoteReader(MessageQueue):
                                                                       deadline - now))
             if self._poller.poll(int(wait * 1000)):
                 break
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
+                self._resume("silence")
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
                                    f"rank {self.rank}, {self._seq} messages read)")
         frames: list[Any] = sock.recv_multipart(copy=False)
@@ -183,16 +236,24 @@ class RemoteReader(MessageQueue):
         opened = self._in.open(frames, self.drops)
         if opened is None:
             return None
+        self._heard_at = time.monotonic()
         if opened.rank != self.rank:
             self.drops.drop("for another rank")
-        elif opened.kind == DATA:
-            if opened.seq == self._seq and self._welcomed:
+        elif opened.kind == DATA and self._welcomed:
+            seq = opened.seq
+            if seq == self._seq:
                 self._seq += 1
                 return opened
-            self.drops.drop("replayed" if opened.seq < self._seq else "out of order")
+            if seq > self._seq:
+                self.recovery["gap"] += 1  # lost with a connection: ask for it
+                self._resume("gap")
+            elif seq >= self._dup_floor:
+                self.recovery["duplicate"] += 1
+            else:
+                self.drops.drop("replayed")
         elif opened.kind == WELCOME and opened.seq == self._nonce and not self._welcomed:
             self._welcomed = True
-        elif opened.kind == CLOSE and opened.seq == self._seq:
+        elif opened.kind == CLOSE and opened.seq >= self._seq:
             self._writer_closed = True
         else:
             self.drops.drop("replayed")
