@@ -31,6 +31,9 @@ MPEXEC_CLUSTER_SECRET                    (none)     the secret that authenticate
 MPEXEC_RAY_ADDRESS                       (unset)    the Ray cluster the "ray"
                                                     backend joins (unset: it
                                                     starts a local one)
+MPEXEC_CLUSTER_CURVE                     0          encrypt the sockets between
+                                                    nodes (ZeroMQ CURVE, keys
+                                                    from the cluster secret)
 =======================================  =========  ==========================
 """
 
@@ -63,6 +66,7 @@ class Envs:
     trace: bool = False
     cluster_secret: str | None = field(default=None, repr=False)
     ray_address: str | None = None
+    cluster_curve: bool = False
 
 
 def _parse_bool(text: str) -> bool:
@@ -161,4 +165,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         trace=_read(env, "MPEXEC_TRACE", _parse_bool, d.trace),
         cluster_secret=env.get("MPEXEC_CLUSTER_SECRET") or None,
         ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
+        cluster_curve=_read(env, "MPEXEC_CLUSTER_CURVE", _parse_bool, d.cluster_curve),
     )

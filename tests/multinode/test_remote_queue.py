@@ -364,3 +364,45 @@ def test_drop_counter_logs_at_most_once_per_interval(caplog: Any) -> None:
             drops.drop("bad mac")
     assert drops.total == 100
     assert len([r for r in caplog.records if "dropped" in r.message]) == 1
+
+
+# -- CURVE ----------------------------------------------------------------------------
+
+
+def test_curve_encrypts_and_a_plaintext_or_wrong_secret_peer_gets_nothing(
+        tmp_path: Path) -> None:
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE")
+    writer = MessageQueue(2, 0, secret=SECRET, name="curve", curve=True)
+    handle = writer.export_handle()
+    assert handle.remote_curve
+    reader = MessageQueue.create_from_handle(handle, 0, secret=SECRET)
+    plain = MessageQueue.create_from_handle(dataclasses.replace(handle, remote_curve=False),
+                                            1, secret=SECRET)
+    wrong = MessageQueue.create_from_handle(handle, 1, secret="not-the-cluster-secret-at-all")
+    try:
+        ready = threading.Thread(target=reader.wait_until_ready, args=(60,))
+        ready.start()
+        with pytest.raises(TimeoutError):
+            writer.wait_until_ready(1.0)  # neither impostor ever says HELLO to it
+        for impostor in (plain, wrong):
+            with pytest.raises(AuthenticationError, match=r"handshake .* failed: CURVE"):
+                impostor.wait_until_ready(30)
+        assert writer.drops.total == 0  # refused inside ZeroMQ, before any frame
+        right = MessageQueue.create_from_handle(handle, 1, secret=SECRET)
+        try:
+            ready2 = threading.Thread(target=right.wait_until_ready, args=(10,))
+            ready2.start()
+            writer.wait_until_ready(10)
+            ready.join(10)
+            ready2.join(10)
+            big = np.arange(1 << 18, dtype=np.int64)
+            writer.enqueue({"i": 1, "big": big})
+            for r in (reader, right):
+                out = r.dequeue(10)
+                assert out["i"] == 1 and np.array_equal(out["big"], big)
+        finally:
+            right.shutdown()
+    finally:
+        for q in (reader, plain, wrong, writer):
+            q.shutdown()

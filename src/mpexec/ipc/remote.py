@@ -76,6 +76,7 @@ from mpexec.ipc.auth import (
     kind_of,
     refusal,
 )
+from mpexec.ipc.curve import secure
 from mpexec.ipc.message_queue import (
     DEFAULT_LOG_INTERVAL_S,
     DEFAULT_TICK_S,
@@ -108,7 +109,8 @@ class RemoteWriter(MessageQueue):
                  name: str = "mq", connect_ip: str | None = None,
                  secret: str | bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tick_s: float = DEFAULT_TICK_S, **local_options: Any) -> None:
+                 tick_s: float = DEFAULT_TICK_S, curve: bool = False,
+                 **local_options: Any) -> None:
         zmq = zmq_module()
         if secret is None:
             raise ValueError(f"queue {name!r} has remote readers: it needs the cluster secret")
@@ -154,7 +156,10 @@ class RemoteWriter(MessageQueue):
         # descriptor outlives it.
         self._context = zmq.Context(1)
         sock = self._context.socket(zmq.ROUTER)
+        self.curve = curve
         try:
+            if curve:
+                secure(sock, secret, server=True)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # A reader that reconnects (same routing id) takes its pipe back.
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -194,6 +199,7 @@ class RemoteWriter(MessageQueue):
             connect_ip=self.connect_ip,
             remote_subscribe_addr=self.remote_subscribe_addr,
             remote_token=self._token,
+            remote_curve=self.curve,
         )
 
     def encode(self, obj: Any) -> EncodedMessage:

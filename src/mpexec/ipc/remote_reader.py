@@ -39,6 +39,7 @@ from mpexec.ipc.auth import (
     derive_key,
     is_refusal,
 )
+from mpexec.ipc.curve import secure
 from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
 from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
@@ -52,6 +53,7 @@ from mpexec.ipc.remote_socket import (
 _HELLO_REPEAT_S = 1.0
 SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
 GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
+_CURVE_CHECK_S = 0.1
 
 
 class RemoteReader(MessageQueue):
@@ -116,13 +118,30 @@ class RemoteReader(MessageQueue):
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if ":" in (handle.connect_ip or ""):
             sock.setsockopt(zmq.IPV6, 1)
+        if handle.remote_curve:
+            secure(sock, secret, server=False)
+        # Until WELCOME: a ZeroMQ handshake that fails (CURVE on one end only,
+        # or CURVE keys from another secret) is reported, not waited out.
+        self._handshake_failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._monitor: Any = sock.get_monitor_socket(self._handshake_failed)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._events, self._pollin, self._noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
         self._again = zmq.Again
-        sock.send_multipart(self._out.seal(HELLO, rank, self._nonce, []))
+        self._hello()
+
+    def _hello(self) -> None:
+        # Never blocks: with no connection up (a CURVE handshake failing) a
+        # DEALER would wait for one; the next repeat makes a lost HELLO good.
+        try:
+            self._sock.send_multipart(self._out.seal(HELLO, self.rank, self._nonce, []),
+                                      self._noblock)
+        except self._again:
+            pass
 
     @property
     def closed(self) -> bool:
@@ -134,20 +153,45 @@ class RemoteReader(MessageQueue):
     def _handshake(self, deadline: float | None) -> None:
         self._busy = True
         try:
+            hello_at = time.monotonic() + _HELLO_REPEAT_S
             while not self._welcomed:
+                self._check_curve_handshake()
                 # HELLO again every second until the WELCOME comes: either may
                 # have been lost with a connection that dropped.
-                step = time.monotonic() + _HELLO_REPEAT_S
+                step = min(hello_at, time.monotonic() + _CURVE_CHECK_S)
                 part = step if deadline is None else min(step, deadline)
                 try:
                     self._receive(part, "wait_until_ready (writer's WELCOME)")
                 except TimeoutError:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise
-                    self._sock.send_multipart(self._out.seal(HELLO, self.rank, self._nonce,
-                                                             []))
+                    if time.monotonic() >= hello_at:
+                        hello_at = time.monotonic() + _HELLO_REPEAT_S
+                        self._hello()
         finally:
             self._busy = False
+            self._end_monitor()
+
+    def _check_curve_handshake(self) -> None:
+        """A CURVE mismatch fails inside ZeroMQ, before any frame: the socket
+        monitor tells, and that is as clear an error as a refusal."""
+        if self._monitor is None:
+            return
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & self._handshake_failed:
+                raise AuthenticationError(
+                    f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
+                    f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
+                    "one end only, or this host's cluster secret differs from the writer's")
+
+    def _end_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; frames that fail authentication are dropped."""
@@ -274,6 +318,7 @@ class RemoteReader(MessageQueue):
                                           zmq_module().NOBLOCK)
             except Exception:
                 pass
+            self._end_monitor()
             self._sock.close(LINGER_MS)
             self._context.term()
 
