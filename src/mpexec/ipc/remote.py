@@ -88,8 +88,10 @@ from mpexec.ipc.remote_socket import (
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     LINGER_MS,
+    acquire_context,
     channel_name,
     endpoint,
+    release_context,
     zmq_module,
 )
 from mpexec.ipc.resend import ResendLog, owned
@@ -152,9 +154,8 @@ class RemoteWriter(MessageQueue):
         self._nonce: dict[int, int] = {}
         self._reader_closed: set[int] = set()
         self.connect_ip = connect_ip or "127.0.0.1"
-        # A context of its own, ended with the queue: no I/O thread or
-        # descriptor outlives it.
-        self._context = zmq.Context(1)
+        # The process's shared context, ended with its last queue (remote_socket).
+        self._context = acquire_context()
         sock = self._context.socket(zmq.ROUTER)
         self.curve = curve
         try:
@@ -171,7 +172,7 @@ class RemoteWriter(MessageQueue):
             port = sock.bind_to_random_port(endpoint(self.connect_ip, "").rstrip(":"))
         except BaseException:
             sock.close(0)
-            self._context.term()
+            release_context(self._context)
             if self._local is not None:
                 self._local.shutdown()
             raise
@@ -296,9 +297,13 @@ class RemoteWriter(MessageQueue):
     def _send(self, rank: int, frames: list[Any]) -> bool:
         """Send to one reader; False when it is not connected right now."""
         zmq = zmq_module()
+        sock = self._sock
         try:
-            # copy=False: pyzmq still copies frames under its copy threshold.
-            self._sock.send_multipart([self._identity[rank], *frames], copy=False)
+            if len(frames) == 1:  # a small message: two plain sends beat send_multipart
+                sock.send(self._identity[rank], zmq.SNDMORE)
+                sock.send(frames[0])
+            else:  # copy=False: pyzmq still copies frames under its copy threshold
+                sock.send_multipart([self._identity[rank], *frames], copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False  # kept in the log; resent when it asks (RESUME)
@@ -415,7 +420,7 @@ class RemoteWriter(MessageQueue):
                     except Exception:
                         pass
                 self._sock.close(LINGER_MS)
-                self._context.term()
+                release_context(self._context)
             finally:
                 self._io.release()
         if self._service is not None:

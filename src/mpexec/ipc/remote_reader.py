@@ -46,7 +46,9 @@ from mpexec.ipc.remote_socket import (
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     LINGER_MS,
+    acquire_context,
     channel_name,
+    release_context,
     zmq_module,
 )
 
@@ -107,7 +109,7 @@ class RemoteReader(MessageQueue):
         self.drops = DropCounter(f"queue {handle.name!r} (remote reader rank {rank})")
         self._nonce = secrets.randbits(63)
         self._writer_closed = False
-        self._context = zmq.Context(1)
+        self._context = acquire_context()
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -128,10 +130,10 @@ class RemoteReader(MessageQueue):
         self._monitor: Any = sock.get_monitor_socket(self._handshake_failed)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
-        self._events, self._pollin, self._noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
-        self._again = zmq.Again
+        self._rcvmore, self._noblock, self._again = zmq.RCVMORE, zmq.NOBLOCK, zmq.Again
         self._hello()
 
     def _hello(self) -> None:
@@ -243,33 +245,39 @@ class RemoteReader(MessageQueue):
 
     def _receive(self, deadline: float | None, what: str) -> Opened | None:
         """Wait for one frame and handle it; a DATA frame in order is returned."""
-        sock = self._sock
-        if sock.getsockopt(self._events) & self._pollin:
-            frames = sock.recv_multipart(self._noblock, copy=False)
-        else:
-            frames = self._poll_receive(deadline, what)
-        return self._accept(frames)
-
-    def _poll_receive(self, deadline: float | None, what: str) -> list[Any]:
-        sock = self._sock
+        # A blocking read that gives up after a tick (RCVTIMEO): one call when
+        # a frame is there or comes, no poller; the tick lets shutdown and the
+        # deadline be seen.
+        again = self._again
         while True:
+            try:
+                return self._accept(self._recv_frames())
+            except again:
+                pass
             if self._closed:
                 raise QueueClosedError(f"queue {self.name!r} was shut down")
             if self._writer_closed:
                 raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
             now = time.monotonic()
-            wait = self._tick_s if deadline is None else max(0.0, min(self._tick_s,
-                                                                      deadline - now))
-            if self._poller.poll(int(wait * 1000)):
-                break
-            now = time.monotonic()
             if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
                 self._resume("silence")
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
-                                   f"rank {self.rank}, {self._seq} messages read)")
-        frames: list[Any] = sock.recv_multipart(copy=False)
-        return frames
+            if deadline is not None and (now >= deadline or (
+                    deadline - now < self._tick_s  # the last wait, shorter than a tick
+                    and not self._poller.poll(max(1, int((deadline - now) * 1000))))):
+                raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote "
+                                   f"reader rank {self.rank}, {self._seq} messages read)")
+
+    def _recv_frames(self) -> list[Any]:
+        sock = self._sock
+        first = sock.recv()  # small: bytes beat a zmq.Frame
+        if not sock.getsockopt(self._rcvmore):
+            return [first]
+        frames: list[Any] = [first]
+        while True:  # the large parts, uncopied
+            frame = sock.recv(copy=False)
+            frames.append(frame)
+            if not frame.more:
+                return frames
 
     def _accept(self, frames: list[Any]) -> Opened | None:
         reason = None if self._welcomed else is_refusal(frames)
@@ -320,7 +328,7 @@ class RemoteReader(MessageQueue):
                 pass
             self._end_monitor()
             self._sock.close(LINGER_MS)
-            self._context.term()
+            release_context(self._context)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
