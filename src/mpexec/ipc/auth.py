@@ -115,7 +115,7 @@ class FrameAuth:
         self._keyed = hmac.new(key, digestmod=hashlib.sha256)
         self.max_bytes = max_bytes
 
-    def _mac(self, header: bytes, body: Any) -> bytes:
+    def _mac(self, header: Any, body: Any) -> bytes:
         mac = self._keyed.copy()
         mac.update(header)
         mac.update(body)
