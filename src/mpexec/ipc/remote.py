@@ -36,7 +36,7 @@ for the next sequence it expects, and the writer resends from there.  A
 reader that is disconnected is not an error here: sends to it are skipped and
 made good on its RESUME.  While the writer's thread is elsewhere (the usual
 case for a driver between calls), a small service thread reads control
-frames every ``SERVICE_S``, so a RESUME never waits for the next ``enqueue``;
+frames every ``remote_control.SERVICE_S``, so a RESUME never waits for the next ``enqueue``;
 a lock gives the socket to one thread at a time.  Large parts are copied into
 the resend log, so ``enqueue`` returns with the caller free to reuse its
 arrays; ZeroMQ sends them without a further copy.
@@ -49,7 +49,8 @@ per interval, and the reader keeps serving the real writer.
 Liveness across hosts is not this module's job: the executor's node
 channel (heartbeats) shuts a queue down when its peer host is lost, which
 wakes every wait here within one ``tick_s``.  One thread may use an end at
-a time; ``shutdown`` may come from any thread.
+a time; ``shutdown`` may come from any thread.  The control frames readers
+send are handled in ``remote_control``.
 """
 
 from __future__ import annotations
@@ -63,18 +64,11 @@ from typing import Any
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc.auth import (
-    ACK,
     CLOSE,
     DATA,
-    HELLO,
-    RESUME,
-    WELCOME,
     DropCounter,
     FrameAuth,
-    Opened,
     derive_key,
-    kind_of,
-    refusal,
 )
 from mpexec.ipc.curve import secure
 from mpexec.ipc.message_queue import (
@@ -83,6 +77,7 @@ from mpexec.ipc.message_queue import (
     Handle,
     MessageQueue,
 )
+from mpexec.ipc.remote_control import WriterControl
 from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
     CONTROL_MAX_BYTES,
@@ -99,10 +94,8 @@ from mpexec.ipc.serialization import EncodedMessage, Encoder, Frame
 
 logger = logging.getLogger(__name__)
 
-SERVICE_S = 0.05  # how often an idle writer reads its readers' control frames
 
-
-class RemoteWriter(MessageQueue):
+class RemoteWriter(WriterControl, MessageQueue):
     """The writer end of a queue with remote readers (see the module docstring)."""
 
     def __init__(self, n_reader: int, n_local_reader: int,
@@ -214,114 +207,6 @@ class RemoteWriter(MessageQueue):
     def _check_open(self) -> None:
         if self._closed:
             raise QueueClosedError(f"queue {self.name!r} was shut down")
-
-    # -- incoming control frames -------------------------------------------------
-
-    def _pump(self, wait_s: float) -> None:
-        """Handle every control frame that arrives within ``wait_s`` (0: what is there)."""
-        # Reading first and polling only when there was nothing: a poll
-        # costs more than a failed non-blocking read.
-        if self._drain() or wait_s <= 0:
-            return
-        if self._poller.poll(max(0, int(wait_s * 1000))):
-            self._drain()
-
-    def _drain(self) -> bool:
-        sock = self._sock
-        got = False
-        # ZMQ_EVENTS costs less than a failed non-blocking read (an exception).
-        while sock.getsockopt(self._events) & self._pollin:
-            frames = sock.recv_multipart()
-            got = True
-            self._handle(frames[0], frames[1:])
-        return got
-
-    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
-        opened = self._in.open(frames, self.drops)
-        if opened is None:
-            if kind_of(frames) == HELLO:
-                self._refuse(identity)
-            return
-        rank = opened.rank
-        log = self._log
-        if rank not in log.acked:
-            self.drops.drop("unknown rank")
-        elif opened.kind == HELLO:
-            self._hello(identity, rank, opened)
-        elif self._identity.get(rank) != identity:
-            self.drops.drop("not from the reader")
-        elif opened.kind == ACK or opened.kind == RESUME:
-            # A reader never goes back, and its counter grows with every
-            # control frame: anything else is an old frame replayed.
-            if not (log.acked[rank] <= opened.seq <= self._seq
-                    and log.fresh_control(rank, opened.aux)):
-                self.drops.drop("replayed")
-                return
-            log.ack(rank, opened.seq)
-            if opened.kind == RESUME:
-                self._resend(rank, opened.seq)
-        elif opened.kind == CLOSE:
-            self._reader_closed.add(rank)
-        else:
-            self.drops.drop("unexpected kind")
-
-    def _hello(self, identity: bytes, rank: int, opened: Opened) -> None:
-        known = self._identity.get(rank)
-        if known is not None:
-            if known != identity:
-                self.drops.drop("second reader for a rank")
-            elif self._ready and opened.seq == self._nonce[rank]:
-                self._welcome(rank)  # its HELLO is repeated: our WELCOME was lost
-            return
-        self._identity[rank] = identity
-        self._nonce[rank] = opened.seq
-        if self._ready:
-            self._welcome(rank)
-
-    def _welcome(self, rank: int) -> None:
-        self._send(rank, self._out.seal(WELCOME, rank, self._nonce[rank], [], aux=self._seq))
-
-    def _resend(self, rank: int, seq: int) -> None:
-        for frames in self._log.frames_from(rank, seq):
-            if not self._send(rank, frames):
-                return  # gone again: it will ask once more
-            self.resent += 1
-
-    def _refuse(self, identity: bytes) -> None:
-        zmq = zmq_module()  # the failed MAC was counted (and logged) as a drop already
-        try:
-            self._sock.send_multipart([identity, *refusal("bad secret")], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
-    def _send(self, rank: int, frames: list[Any]) -> bool:
-        """Send to one reader; False when it is not connected right now."""
-        zmq = zmq_module()
-        sock = self._sock
-        try:
-            if len(frames) == 1:  # a small message: two plain sends beat send_multipart
-                sock.send(self._identity[rank], zmq.SNDMORE)
-                sock.send(frames[0])
-            else:  # copy=False: pyzmq still copies frames under its copy threshold
-                sock.send_multipart([self._identity[rank], *frames], copy=False)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return False  # kept in the log; resent when it asks (RESUME)
-            raise
-        return True
-
-    def _serve(self) -> None:
-        """The service thread: control frames while the writer's thread is away."""
-        while not self._stop.wait(SERVICE_S):
-            if self._io.acquire(blocking=False):
-                try:
-                    if not self._stop.is_set():
-                        self._drain()
-                except Exception:  # the socket closed under us: we are stopping
-                    logger.debug("queue %r: service thread stops", self.name, exc_info=True)
-                    return
-                finally:
-                    self._io.release()
 
     # -- handshake -----------------------------------------------------------------
 
