@@ -4,6 +4,7 @@ Prints one table per figure::
 
     python benchmarks/bench_executor.py [--iters 3000] [--pipelined 10000] [--reps 5]
         [--only roundtrip,pipelined,future,lifecycle,crashes] [--methods fork,spawn]
+    python benchmarks/bench_executor.py --remote [--iters 3000] [--reps 3]   # multi-node
 
 1. no-op ``collective_rpc`` round trip with 1, 2, 4 workers (median, p99) next
    to the raw MessageQueue round trip measured in the same run, and their ratio;
@@ -451,12 +452,19 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4", help="worker counts for 1 and 2")
     parser.add_argument("--ray", action="store_true",
                         help="only the Ray executor's figures (benchmarks/bench_ray.py)")
+    parser.add_argument("--remote", action="store_true",
+                        help="only the multi-node figures (benchmarks/bench_remote.py)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.ray:
         import bench_ray
 
         bench_ray.run()
+        return
+    if args.remote:
+        import bench_remote
+
+        bench_remote.run(args.iters, args.reps)
         return
     only = set(args.only.split(","))
     sizes = [int(n) for n in args.workers.split(",")]
