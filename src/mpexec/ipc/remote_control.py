@@ -159,9 +159,13 @@ class WriterControl:
                 try:
                     if not self._stop.is_set():
                         self._drain()
-                except Exception:  # the socket closed under us: we are stopping
-                    logger.debug("queue %r: service thread stops", self.name, exc_info=True)
-                    return
+                except Exception:
+                    if self._stop.is_set():
+                        return  # the socket closed under us: we are stopping
+                    # Not fatal to the queue: the writer's own thread reads
+                    # the socket too; keep serving and say why once per tick.
+                    logger.warning("queue %r: reading control frames failed", self.name,
+                                   exc_info=True)
                 finally:
                     self._io.release()
 
