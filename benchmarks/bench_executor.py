@@ -454,6 +454,8 @@ def main() -> None:
                         help="only the Ray executor's figures (benchmarks/bench_ray.py)")
     parser.add_argument("--remote", action="store_true",
                         help="only the multi-node figures (benchmarks/bench_remote.py)")
+    parser.add_argument("--remote-queues", action="store_true",
+                        help="only the remote-queue round trip vs raw ZeroMQ (MPEXEC_SRC-able)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.ray:
@@ -461,10 +463,13 @@ def main() -> None:
 
         bench_ray.run()
         return
-    if args.remote:
+    if args.remote or args.remote_queues:
         import bench_remote
 
-        bench_remote.run(args.iters, args.reps)
+        if args.remote_queues:
+            bench_remote.run_queues(args.iters)
+        else:
+            bench_remote.run(args.iters, args.reps)
         return
     only = set(args.only.split(","))
     sizes = [int(n) for n in args.workers.split(",")]

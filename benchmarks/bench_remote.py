@@ -10,9 +10,15 @@ figures issue 10 asks of the executor benchmark and prints them:
 2. 64 MiB to a remote reader against a raw ZeroMQ zero-copy send;
 3. SIGKILL of a follower's tree -> ``WorkerDiedError``; SIGKILL of the
    leader's tree -> no follower process left (``--reps`` each).
+
+``--remote-queues`` prints only the first two rows of 1 (no follower node is
+started), so ``MPEXEC_SRC=<old tree>/src`` measures an older remote path
+against this one in the same session, alternating.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import bench_multinode
 
@@ -26,3 +32,13 @@ def run(iters: int, reps: int, failures: bool = True) -> None:
         bench_multinode.bench_follower_kill(reps)
         print()
         bench_multinode.bench_leader_kill(reps)
+
+
+def run_queues(iters: int) -> None:
+    """Raw ZeroMQ vs remote queues only: one line, medians and their ratio."""
+    import mpexec
+
+    raw, ours = bench_multinode.raw_zmq(iters), bench_multinode.remote_queues(iters)
+    r, o = statistics.median(raw) * 1e6, statistics.median(ours) * 1e6
+    print(f"{mpexec.__file__}: raw ZeroMQ {r:.0f} us, remote queues {o:.0f} us, "
+          f"ratio {o / r:.2f}")
