@@ -4,6 +4,7 @@ Prints one table per figure::
 
     python benchmarks/bench_executor.py [--iters 3000] [--pipelined 10000] [--reps 5]
         [--only roundtrip,pipelined,future,lifecycle,crashes] [--methods fork,spawn]
+    python benchmarks/bench_executor.py --remote [--iters 3000] [--reps 3]   # multi-node
 
 1. no-op ``collective_rpc`` round trip with 1, 2, 4 workers (median, p99) next
    to the raw MessageQueue round trip measured in the same run, and their ratio;
@@ -452,12 +453,24 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true",
                         help="only the Ray executor's figures (benchmarks/bench_ray.py; "
                              "its call rows --passes times)")
+    parser.add_argument("--remote", action="store_true",
+                        help="only the multi-node figures (benchmarks/bench_remote.py)")
+    parser.add_argument("--remote-queues", action="store_true",
+                        help="only the remote-queue round trip vs raw ZeroMQ (MPEXEC_SRC-able)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.ray:
         import bench_ray
 
         bench_ray.run(call_reps=args.passes)  # the call rows --passes times, medians
+        return
+    if args.remote or args.remote_queues:
+        import bench_remote
+
+        if args.remote_queues:
+            bench_remote.run_queues(args.iters)
+        else:
+            bench_remote.run(args.iters, args.reps)
         return
     only = set(args.only.split(","))
     sizes = [int(n) for n in args.workers.split(",")]

@@ -251,6 +251,9 @@ class ExecutorConfig:
     # Several nodes: heartbeat period and the silence after which a peer is lost.
     node_heartbeat_s: float = 0.5
     node_timeout_s: float = 2.0
+    # Several nodes: encrypt every cross-host socket with ZeroMQ's CURVE, keys
+    # derived from cluster_secret (MPEXEC_CLUSTER_CURVE; followers need it too).
+    cluster_curve: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_cls, str) and ":" not in self.worker_cls:
@@ -306,6 +309,7 @@ class ExecutorConfig:
         if self.node_timeout_s <= self.node_heartbeat_s:
             raise ValueError(f"node_timeout_s ({self.node_timeout_s}) must exceed "
                              f"node_heartbeat_s ({self.node_heartbeat_s})")
+        _require_bool("cluster_curve", self.cluster_curve)
         if self.cluster_secret is not None:
             _require_str("cluster_secret", self.cluster_secret)
             if len(self.cluster_secret.encode()) < 16:
@@ -372,6 +376,7 @@ class ExecutorConfig:
             "log_level": envs.logging_level,
             "cluster_secret": envs.cluster_secret,
             "ray_address": envs.ray_address,
+            "cluster_curve": envs.cluster_curve,
         }
         return cls(**{**defaults, **fields})
 

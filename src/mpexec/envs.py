@@ -38,6 +38,9 @@ MPEXEC_NODE_ID                           (unset)    this process's node, as
                                                     values make processes
                                                     of one host use the
                                                     cross-node path (gloo)
+MPEXEC_CLUSTER_CURVE                     0          encrypt the sockets between
+                                                    nodes (ZeroMQ CURVE, keys
+                                                    from the cluster secret)
 =======================================  =========  ==========================
 """
 
@@ -71,6 +74,7 @@ class Envs:
     cluster_secret: str | None = field(default=None, repr=False)
     ray_address: str | None = None
     node_id: str | None = None
+    cluster_curve: bool = False
 
 
 def _parse_bool(text: str) -> bool:
@@ -170,4 +174,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         cluster_secret=env.get("MPEXEC_CLUSTER_SECRET") or None,
         ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
         node_id=_read(env, "MPEXEC_NODE_ID", _parse_address, d.node_id),
+        cluster_curve=_read(env, "MPEXEC_CLUSTER_CURVE", _parse_bool, d.cluster_curve),
     )

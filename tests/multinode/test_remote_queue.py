@@ -18,7 +18,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 np = pytest.importorskip("numpy")
 
-from mpexec.errors import QueueClosedError  # noqa: E402
+from mpexec.errors import QueueClosedError, UndecodableMessageError  # noqa: E402
 from mpexec.ipc import MessageQueue  # noqa: E402
 from mpexec.ipc.auth import (  # noqa: E402
     DATA,
@@ -122,6 +122,28 @@ def test_wrong_secret_is_refused_with_a_clear_error() -> None:
     finally:
         reader.shutdown()
         writer.shutdown()
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this object cannot be rebuilt here")
+
+
+class _Unloadable:
+    def __reduce__(self) -> Any:
+        return (_refuse_to_load, ())
+
+
+def test_a_message_that_does_not_unpickle_is_reported_and_the_reader_goes_on(
+        trio: Any) -> None:
+    writer, local, remote = trio
+    writer.enqueue(_Unloadable())
+    for reader in (local, remote):
+        with pytest.raises(UndecodableMessageError, match="could not be unpickled") as info:
+            reader.dequeue(5)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    writer.enqueue("next")
+    assert local.dequeue(5) == remote.dequeue(5) == "next"
+    assert remote.drops.total == 0
 
 
 def test_writer_shutdown_ends_remote_reader(trio: Any) -> None:
@@ -342,3 +364,45 @@ def test_drop_counter_logs_at_most_once_per_interval(caplog: Any) -> None:
             drops.drop("bad mac")
     assert drops.total == 100
     assert len([r for r in caplog.records if "dropped" in r.message]) == 1
+
+
+# -- CURVE ----------------------------------------------------------------------------
+
+
+def test_curve_encrypts_and_a_plaintext_or_wrong_secret_peer_gets_nothing(
+        tmp_path: Path) -> None:
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE")
+    writer = MessageQueue(2, 0, secret=SECRET, name="curve", curve=True)
+    handle = writer.export_handle()
+    assert handle.remote_curve
+    reader = MessageQueue.create_from_handle(handle, 0, secret=SECRET)
+    plain = MessageQueue.create_from_handle(dataclasses.replace(handle, remote_curve=False),
+                                            1, secret=SECRET)
+    wrong = MessageQueue.create_from_handle(handle, 1, secret="not-the-cluster-secret-at-all")
+    try:
+        ready = threading.Thread(target=reader.wait_until_ready, args=(60,))
+        ready.start()
+        with pytest.raises(TimeoutError):
+            writer.wait_until_ready(1.0)  # neither impostor ever says HELLO to it
+        for impostor in (plain, wrong):
+            with pytest.raises(AuthenticationError, match=r"handshake .* failed: CURVE"):
+                impostor.wait_until_ready(30)
+        assert writer.drops.total == 0  # refused inside ZeroMQ, before any frame
+        right = MessageQueue.create_from_handle(handle, 1, secret=SECRET)
+        try:
+            ready2 = threading.Thread(target=right.wait_until_ready, args=(10,))
+            ready2.start()
+            writer.wait_until_ready(10)
+            ready.join(10)
+            ready2.join(10)
+            big = np.arange(1 << 18, dtype=np.int64)
+            writer.enqueue({"i": 1, "big": big})
+            for r in (reader, right):
+                out = r.dequeue(10)
+                assert out["i"] == 1 and np.array_equal(out["big"], big)
+        finally:
+            right.shutdown()
+    finally:
+        for q in (reader, plain, wrong, writer):
+            q.shutdown()

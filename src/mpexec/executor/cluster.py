@@ -48,6 +48,7 @@ from mpexec.ipc.auth import (
     kind_of,
     refusal,
 )
+from mpexec.ipc.curve import secure
 
 logger = logging.getLogger("mpexec.executor.multiproc")
 
@@ -142,7 +143,7 @@ class NodeServer:
     """The leader's node control socket; see the module docstring."""
 
     def __init__(self, secret: str, host: str, port: int, nnodes: int, local_world_size: int,
-                 heartbeat_s: float, timeout_s: float) -> None:
+                 heartbeat_s: float, timeout_s: float, curve: bool = False) -> None:
         import zmq
 
         if port == 0:
@@ -161,6 +162,8 @@ class NodeServer:
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
+        if curve:
+            secure(sock, secret, server=True)
         try:
             sock.bind(endpoint(host, port))
         except zmq.ZMQError as exc:
@@ -362,7 +365,8 @@ def start_cluster(config: ExecutorConfig, life: Any) -> NodeServer:
     parallel = config.parallel
     return NodeServer(secret, parallel.master_addr, parallel.master_port,
                       parallel.nnodes_within_dp, parallel.local_world_size,
-                      config.node_heartbeat_s, config.node_timeout_s)
+                      config.node_heartbeat_s, config.node_timeout_s,
+                      curve=config.cluster_curve)
 
 
 def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,

@@ -161,7 +161,8 @@ class MultiprocExecutor(Executor):
                           max_chunks=config.mq_max_chunks, name="broadcast",
                           spin_s=config.mq_spin_s,
                           connect_ip=parallel.master_addr if multinode else None,
-                          secret=None if self.cluster is None else self.cluster.secret)
+                          secret=None if self.cluster is None else self.cluster.secret,
+                          curve=config.cluster_curve)
         self.rpc_broadcast_mq = mq
         life.queues.append(mq)
         context = get_mp_context(maybe_force_spawn(config.mp_start_method))

@@ -50,6 +50,7 @@ from mpexec.ipc.auth import (
     DropCounter,
     is_refusal,
 )
+from mpexec.ipc.curve import secure
 from mpexec.system import get_mp_context, maybe_force_spawn, thread_vars
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ _POLL_S = 0.05
 class NodeClient:
     """The follower's end of the node control channel."""
 
-    def __init__(self, secret: str, master_addr: str, master_port: int, node_rank: int) -> None:
+    def __init__(self, secret: str, master_addr: str, master_port: int, node_rank: int,
+                 curve: bool = False) -> None:
         import zmq
 
         self._zmq = zmq
@@ -74,6 +76,8 @@ class NodeClient:
         sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         if ":" in master_addr:
             sock.setsockopt(zmq.IPV6, 1)
+        if curve:
+            secure(sock, secret, server=False)
         sock.connect(endpoint(master_addr, master_port))
         self._sock = sock
         self._nonce = secrets.randbits(63)
@@ -134,7 +138,7 @@ class NodeClient:
 def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int, *,
                  secret: str | None = None, bind_addr: str | None = None,
                  join_timeout_s: float = 300.0,
-                 stop: threading.Event | None = None) -> int:
+                 stop: threading.Event | None = None, curve: bool | None = None) -> int:
     """Serve as follower ``node_rank`` of the executor led from ``master_addr:master_port``.
 
     Returns the exit status: 0 when the leader ended the executor, 1 when a
@@ -153,7 +157,11 @@ def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int
     if not 0 < node_rank < nnodes:
         raise ValueError(f"node_rank must be in [1, nnodes={nnodes}) for a follower, "
                          f"got {node_rank}")
-    client = NodeClient(secret, master_addr, master_port, node_rank)
+    if curve is None:  # the node channel speaks CURVE before any CONFIG can say so
+        from mpexec.envs import load_envs
+
+        curve = load_envs().cluster_curve
+    client = NodeClient(secret, master_addr, master_port, node_rank, curve=curve)
     try:
         assignment = client.join(join_timeout_s)
         config = assignment.config

@@ -118,7 +118,8 @@ class WorkerProc:
         self.worker_response_mq = MessageQueue(
             1, 0 if remote_driver else 1, max_chunk_bytes=self.config.mq_max_chunk_bytes,
             max_chunks=self.config.mq_max_chunks, name=f"reply{self.rank}", spin_s=spin_s,
-            connect_ip=spec.reply_connect_ip, secret=spec.cluster_secret)
+            connect_ip=spec.reply_connect_ip, secret=spec.cluster_secret,
+            curve=self.config.cluster_curve)
 
     # -- replies ----------------------------------------------------------------
 

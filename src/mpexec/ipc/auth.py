@@ -8,16 +8,20 @@ frames::
 
     header  = magic "MPX1", kind (u8), flags (u8), rank (u32), aux (u32),
               seq (u64), n_parts (u32), body_len (u64)      (fixed 36 bytes)
-    mac     = HMAC-SHA256(key, header || SHA-256(u64 len || part, for each part))
+    mac     = HMAC-SHA256(key, header || part 0)      one part, inline (a small message)
+            = HMAC-SHA256(key, header || SHA-256(u64 len || part, for each part))  otherwise
     key     = HMAC-SHA256(secret, "mpexec/1/" || channel || "/" || direction)
 
 The key is derived per channel (a queue's random token, a node control
 session) and per direction, so a frame can be replayed neither into another
 queue nor back at its sender; ``rank`` is covered, so a frame meant for one
 reader cannot be fed to another; ``seq`` is checked by the receiver against
-the next number it expects, so an old frame is a replay.  The body is hashed
-once (SHA-256) and the digest is MACed with the header: a message to many
-readers hashes its bytes once.
+the next number it expects, so an old frame is a replay.  A message of
+several parts, or a large one, is hashed once (SHA-256) and the digest is
+MACed with the header: a message to many readers hashes its bytes once.  A
+small single part is MACed directly with the header (one pass, no digest);
+the header is of fixed size and says which form applies (``flags``,
+``n_parts``), so the two cannot be confused.
 
 :meth:`FrameAuth.open` checks the structure (frame count, header size,
 declared lengths, the size limit) and then the MAC with
@@ -39,8 +43,7 @@ import secrets
 import struct
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mpexec.errors import MpexecError
 
@@ -59,7 +62,7 @@ _INLINE = 1
 _LEN = struct.Struct("<Q")
 
 # Frame kinds (queues and the node control channel share the numbering).
-HELLO, WELCOME, DATA, ACK, CLOSE = 1, 2, 3, 4, 5
+HELLO, WELCOME, DATA, ACK, CLOSE, RESUME = 1, 2, 3, 4, 5, 6
 JOIN, CONFIG, READY, PING, FAILED, BYE = 10, 11, 12, 13, 14, 15
 
 # Not authenticated (the two ends do not share a key): a refusal carries
@@ -90,8 +93,7 @@ def derive_key(secret: str | bytes, channel: str, direction: str) -> bytes:
     return hmac.new(secret_bytes(secret), label, hashlib.sha256).digest()
 
 
-@dataclass(frozen=True)
-class Opened:
+class Opened(NamedTuple):
     """A frame whose structure and MAC checked out (its seq is the receiver's to check)."""
 
     kind: int
@@ -109,11 +111,15 @@ class FrameAuth:
     """Seals and opens frames of one channel and direction."""
 
     def __init__(self, key: bytes, max_bytes: int) -> None:
-        self._key = key
+        # The keyed state once: each MAC copies it (cheaper than re-keying).
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
         self.max_bytes = max_bytes
 
-    def _mac(self, header: bytes, digest: bytes) -> bytes:
-        return hmac.digest(self._key, header + digest, "sha256")
+    def _mac(self, header: Any, body: Any) -> bytes:
+        mac = self._keyed.copy()
+        mac.update(header)
+        mac.update(body)
+        return mac.digest()
 
     @staticmethod
     def _digest(parts: list[Any]) -> tuple[bytes, int]:
@@ -129,6 +135,10 @@ class FrameAuth:
     def seal(self, kind: int, rank: int, seq: int, parts: list[Any], aux: int = 0,
              ) -> list[Any]:
         """The frames to send: the sealed first frame, then the large parts."""
+        if len(parts) == 1 and parts[0].__class__ is bytes and len(parts[0]) <= INLINE_BYTES:
+            part = parts[0]  # the common small message: one frame, one MAC pass
+            header = HEADER.pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, len(part))
+            return [header + self._mac(header, part) + part]
         firsts, rest = self.seal_many(kind, [rank], seq, parts, aux)
         return [firsts[0], *rest]
 
@@ -136,6 +146,13 @@ class FrameAuth:
                   aux: int = 0) -> tuple[list[bytes], list[Any]]:
         """One first frame per rank for the same parts (hashed once), and the
         parts that follow it as frames of their own."""
+        if len(parts) == 1 and _nbytes(parts[0]) <= INLINE_BYTES:
+            part = bytes(parts[0])
+            firsts = []
+            for rank in ranks:
+                header = HEADER.pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, len(part))
+                firsts.append(header + self._mac(header, part) + part)
+            return firsts, []
         digest, body_len = self._digest(parts)
         inline = bool(parts) and _nbytes(parts[0]) <= INLINE_BYTES
         flags = _INLINE if inline else 0
@@ -155,11 +172,25 @@ class FrameAuth:
         if len(first) < PREFIX:
             drops.drop("truncated")
             return None
-        header = bytes(first[:HEADER.size])
-        magic, kind, flags, rank, aux, seq, n_parts, body_len = HEADER.unpack(header)
+        magic, kind, flags, rank, aux, seq, n_parts, body_len = HEADER.unpack_from(first)
         if magic != MAGIC or flags & ~_INLINE:
             drops.drop("bad header")
             return None
+        if body_len > self.max_bytes:
+            drops.drop("oversized")
+            return None
+        header = first[:HEADER.size]
+        mac = first[HEADER.size:PREFIX]
+        if len(frames) == 1 and flags and n_parts == 1:
+            # One small part inline: MACed directly (see the module docstring).
+            part = first[PREFIX:]
+            if part.nbytes != body_len:
+                drops.drop("truncated")
+                return None
+            if not hmac.compare_digest(mac, self._mac(header, part)):
+                drops.drop("bad mac")
+                return None
+            return Opened(kind, rank, aux, seq, [part])
         parts = [memoryview(f).cast("B") for f in frames[1:]]
         if flags & _INLINE:
             parts.insert(0, first[PREFIX:])
@@ -169,13 +200,12 @@ class FrameAuth:
         if n_parts != len(parts):
             drops.drop("bad header")
             return None
-        if body_len > self.max_bytes:
-            drops.drop("oversized")
-            return None
         if sum(p.nbytes for p in parts) != body_len:
             drops.drop("truncated")
             return None
-        mac = bytes(first[HEADER.size:PREFIX])
+        if n_parts == 1 and flags:
+            drops.drop("bad header")  # that form is MACed directly, never as a digest
+            return None
         if not hmac.compare_digest(mac, self._mac(header, self._digest(parts)[0])):
             drops.drop("bad mac")
             return None

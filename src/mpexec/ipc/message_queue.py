@@ -115,6 +115,8 @@ class Handle:
     connect_ip: str | None = None
     remote_subscribe_addr: str | None = None
     remote_token: int | None = None
+    # Remote readers: the writer's socket speaks CURVE (``curve``), keys from the secret.
+    remote_curve: bool = False
 
 
 class ProcessGroup(Protocol):
@@ -151,6 +153,7 @@ class MessageQueue(QueueEnd):
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
         connect_ip: str | None = None,
         secret: str | bytes | None = None,
+        curve: bool = False,
         **options: Any,
     ) -> MessageQueue:
         if cls is MessageQueue:

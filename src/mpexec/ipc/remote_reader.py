@@ -1,10 +1,18 @@
 """The reader end of a queue on another host: :class:`RemoteReader`.
 
-The protocol is drawn in ``remote``: attach sends HELLO, ``wait_until_ready``
-waits for the writer's WELCOME, ``dequeue`` takes the DATA frame with the
-next sequence number (anything else is dropped unopened and counted in
-``drops``) and ACKs every half window.  A refusal during the handshake is an
-:class:`~mpexec.ipc.auth.AuthenticationError`.
+The protocol is drawn in ``remote`` and ``resend``: attach sends HELLO,
+``wait_until_ready`` waits for the writer's WELCOME, ``dequeue`` takes the
+DATA frame with the next sequence number and ACKs every half window (at once
+after a large message, so the writer's resend log lets it go).  A DATA frame
+further on means frames were lost with a connection: the reader asks with
+RESUME for the one it expects, as it does after ``SILENCE_S`` with nothing
+heard (the last frames, or an ACK, may have been lost); the writer resends.
+Old frames in the range it asked for are duplicates (``recovery``), older
+ones replays (``drops``); anything failing authentication is dropped unopened
+and counted in ``drops``.  A refusal during the handshake is an
+:class:`~mpexec.ipc.auth.AuthenticationError`; a message that verifies but
+does not unpickle is an :class:`~mpexec.errors.UndecodableMessageError`
+(consumed: the reader stays usable).
 """
 
 from __future__ import annotations
@@ -13,14 +21,16 @@ import os
 import pickle
 import secrets
 import time
+from collections import Counter
 from typing import Any
 
-from mpexec.errors import QueueClosedError
+from mpexec.errors import QueueClosedError, UndecodableMessageError
 from mpexec.ipc.auth import (
     ACK,
     CLOSE,
     DATA,
     HELLO,
+    RESUME,
     WELCOME,
     AuthenticationError,
     DropCounter,
@@ -29,17 +39,23 @@ from mpexec.ipc.auth import (
     derive_key,
     is_refusal,
 )
+from mpexec.ipc.curve import secure
 from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
-from mpexec.ipc.remote import (
+from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     LINGER_MS,
+    acquire_context,
     channel_name,
+    release_context,
     zmq_module,
 )
 
 _HELLO_REPEAT_S = 1.0
+SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
+GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
+_CURVE_CHECK_S = 0.1
 
 
 class RemoteReader(MessageQueue):
@@ -77,7 +93,14 @@ class RemoteReader(MessageQueue):
         # Credit: ACK every half window (never more than a window, or the
         # writer could wait for an ACK that a caught-up reader never sends).
         self._ack_every = max(1, handle.max_chunks // 2)
+        self._window = handle.max_chunks
         self._acked = 0
+        self._control = 0              # grows with every ACK/RESUME (replay guard)
+        self._heard_at = time.monotonic()
+        self._resume_at = -float("inf")
+        self._resume_seq = -1
+        self._dup_floor = 1 << 64      # duplicates tolerated from here (asked resends)
+        self.recovery: Counter[str] = Counter()  # gaps, resume requests, duplicates
         self._welcomed = False
         assert handle.remote_token is not None
         channel = channel_name(handle.remote_token, handle.name)
@@ -86,7 +109,7 @@ class RemoteReader(MessageQueue):
         self.drops = DropCounter(f"queue {handle.name!r} (remote reader rank {rank})")
         self._nonce = secrets.randbits(63)
         self._writer_closed = False
-        self._context = zmq.Context(1)
+        self._context = acquire_context()
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -97,11 +120,30 @@ class RemoteReader(MessageQueue):
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if ":" in (handle.connect_ip or ""):
             sock.setsockopt(zmq.IPV6, 1)
+        if handle.remote_curve:
+            secure(sock, secret, server=False)
+        # Until WELCOME: a ZeroMQ handshake that fails (CURVE on one end only,
+        # or CURVE keys from another secret) is reported, not waited out.
+        self._handshake_failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._monitor: Any = sock.get_monitor_socket(self._handshake_failed)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
-        sock.send_multipart(self._out.seal(HELLO, rank, self._nonce, []))
+        self._rcvmore, self._noblock, self._again = zmq.RCVMORE, zmq.NOBLOCK, zmq.Again
+        self._hello()
+
+    def _hello(self) -> None:
+        # Never blocks: with no connection up (a CURVE handshake failing) a
+        # DEALER would wait for one; the next repeat makes a lost HELLO good.
+        try:
+            self._sock.send_multipart(self._out.seal(HELLO, self.rank, self._nonce, []),
+                                      self._noblock)
+        except self._again:
+            pass
 
     @property
     def closed(self) -> bool:
@@ -113,20 +155,45 @@ class RemoteReader(MessageQueue):
     def _handshake(self, deadline: float | None) -> None:
         self._busy = True
         try:
+            hello_at = time.monotonic() + _HELLO_REPEAT_S
             while not self._welcomed:
+                self._check_curve_handshake()
                 # HELLO again every second until the WELCOME comes: either may
                 # have been lost with a connection that dropped.
-                step = time.monotonic() + _HELLO_REPEAT_S
+                step = min(hello_at, time.monotonic() + _CURVE_CHECK_S)
                 part = step if deadline is None else min(step, deadline)
                 try:
                     self._receive(part, "wait_until_ready (writer's WELCOME)")
                 except TimeoutError:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise
-                    self._sock.send_multipart(self._out.seal(HELLO, self.rank, self._nonce,
-                                                             []))
+                    if time.monotonic() >= hello_at:
+                        hello_at = time.monotonic() + _HELLO_REPEAT_S
+                        self._hello()
         finally:
             self._busy = False
+            self._end_monitor()
+
+    def _check_curve_handshake(self) -> None:
+        """A CURVE mismatch fails inside ZeroMQ, before any frame: the socket
+        monitor tells, and that is as clear an error as a refusal."""
+        if self._monitor is None:
+            return
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & self._handshake_failed:
+                raise AuthenticationError(
+                    f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
+                    f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
+                    "one end only, or this host's cluster secret differs from the writer's")
+
+    def _end_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; frames that fail authentication are dropped."""
@@ -139,40 +206,78 @@ class RemoteReader(MessageQueue):
                 message = self._receive(deadline, "dequeue")
                 if message is not None:
                     break
+            if self._seq - self._acked >= self._ack_every or len(message.parts) > 1:
+                self._tell(ACK)
         finally:
             self._busy = False
-        if self._seq - self._acked >= self._ack_every:
-            self._acked = self._seq
-            self._sock.send_multipart(self._out.seal(ACK, self.rank, self._seq, []))
-        return _decode(message)
+        try:
+            return _decode(message)
+        except Exception as exc:
+            raise UndecodableMessageError(
+                f"queue {self.name!r}: message {self._seq - 1} from the writer (remote "
+                f"reader rank {self.rank}) could not be unpickled: "
+                f"{type(exc).__name__}: {exc}") from exc
+
+    def _tell(self, kind: int) -> None:
+        """ACK or RESUME: the next sequence this reader expects (never blocks:
+        one lost is made good by the next)."""
+        self._control = (self._control + 1) & 0xFFFFFFFF
+        self._acked = self._seq
+        try:
+            self._sock.send_multipart(self._out.seal(kind, self.rank, self._seq, [],
+                                                     aux=self._control), self._noblock)
+        except self._again:
+            pass
+
+    def _resume(self, why: str) -> None:
+        now = time.monotonic()
+        if why == "gap" and self._resume_seq == self._seq and now - self._resume_at < (
+                GAP_REPEAT_S):
+            return
+        self.recovery["resume after " + why] += 1
+        # Duplicates are expected from here on; the writer keeps at most a
+        # window of messages, so nothing older than that can be a resend.
+        seq = self._seq
+        self._dup_floor = seq if self._dup_floor + self._window < seq else min(
+            self._dup_floor, seq)
+        self._resume_at, self._resume_seq = now, seq
+        self._tell(RESUME)
 
     def _receive(self, deadline: float | None, what: str) -> Opened | None:
         """Wait for one frame and handle it; a DATA frame in order is returned."""
-        zmq = zmq_module()
-        sock = self._sock
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        else:
-            frames = self._poll_receive(deadline, what)
-        return self._accept(frames)
-
-    def _poll_receive(self, deadline: float | None, what: str) -> list[Any]:
-        sock = self._sock
+        # A blocking read that gives up after a tick (RCVTIMEO): one call when
+        # a frame is there or comes, no poller; the tick lets shutdown and the
+        # deadline be seen.
+        again = self._again
         while True:
+            try:
+                return self._accept(self._recv_frames())
+            except again:
+                pass
             if self._closed:
                 raise QueueClosedError(f"queue {self.name!r} was shut down")
             if self._writer_closed:
                 raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
             now = time.monotonic()
-            wait = self._tick_s if deadline is None else max(0.0, min(self._tick_s,
-                                                                      deadline - now))
-            if self._poller.poll(int(wait * 1000)):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote reader "
-                                   f"rank {self.rank}, {self._seq} messages read)")
-        frames: list[Any] = sock.recv_multipart(copy=False)
-        return frames
+            if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
+                self._resume("silence")
+            if deadline is not None and (now >= deadline or (
+                    deadline - now < self._tick_s  # the last wait, shorter than a tick
+                    and not self._poller.poll(max(1, int((deadline - now) * 1000))))):
+                raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote "
+                                   f"reader rank {self.rank}, {self._seq} messages read)")
+
+    def _recv_frames(self) -> list[Any]:
+        sock = self._sock
+        first = sock.recv()  # small: bytes beat a zmq.Frame
+        if not sock.getsockopt(self._rcvmore):
+            return [first]
+        frames: list[Any] = [first]
+        while True:  # the large parts, uncopied
+            frame = sock.recv(copy=False)
+            frames.append(frame)
+            if not frame.more:
+                return frames
 
     def _accept(self, frames: list[Any]) -> Opened | None:
         reason = None if self._welcomed else is_refusal(frames)
@@ -183,16 +288,24 @@ class RemoteReader(MessageQueue):
         opened = self._in.open(frames, self.drops)
         if opened is None:
             return None
+        self._heard_at = time.monotonic()
         if opened.rank != self.rank:
             self.drops.drop("for another rank")
-        elif opened.kind == DATA:
-            if opened.seq == self._seq and self._welcomed:
+        elif opened.kind == DATA and self._welcomed:
+            seq = opened.seq
+            if seq == self._seq:
                 self._seq += 1
                 return opened
-            self.drops.drop("replayed" if opened.seq < self._seq else "out of order")
+            if seq > self._seq:
+                self.recovery["gap"] += 1  # lost with a connection: ask for it
+                self._resume("gap")
+            elif seq >= self._dup_floor:
+                self.recovery["duplicate"] += 1
+            else:
+                self.drops.drop("replayed")
         elif opened.kind == WELCOME and opened.seq == self._nonce and not self._welcomed:
             self._welcomed = True
-        elif opened.kind == CLOSE and opened.seq == self._seq:
+        elif opened.kind == CLOSE and opened.seq >= self._seq:
             self._writer_closed = True
         else:
             self.drops.drop("replayed")
@@ -213,8 +326,9 @@ class RemoteReader(MessageQueue):
                                           zmq_module().NOBLOCK)
             except Exception:
                 pass
+            self._end_monitor()
             self._sock.close(LINGER_MS)
-            self._context.term()
+            release_context(self._context)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

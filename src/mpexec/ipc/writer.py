@@ -55,8 +55,9 @@ class MessageQueueWriter(MessageQueue):
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
         connect_ip: str | None = None,
         secret: str | bytes | None = None,
+        curve: bool = False,
     ) -> None:
-        # connect_ip and secret matter only with remote readers (a RemoteWriter).
+        # connect_ip, secret and curve matter only with remote readers (a RemoteWriter).
         if n_reader < 1:
             raise ValueError(f"n_reader must be >= 1, got {n_reader}")
         if not 0 <= n_local_reader <= n_reader:

@@ -1,0 +1,70 @@
+"""Optional encryption of cross-host sockets with ZeroMQ's own CURVE.
+
+The HMAC layer (``auth``) makes every frame authentic; CURVE adds
+confidentiality.  No key is distributed: both key pairs are derived from the
+cluster secret, so a follower that holds the secret needs nothing more::
+
+    server secret key = HMAC-SHA256(secret, "mpexec/1/curve/server")   (32 bytes)
+    client secret key = HMAC-SHA256(secret, "mpexec/1/curve/client")
+    public keys       = Curve25519 of each (zmq.curve_public)
+
+The bound end (a queue writer's ROUTER, the leader's node channel) is the
+CURVE server; the connecting end (a remote reader, a follower) is the client
+and must know the server's public key before the handshake.  That key never
+crosses the wire and is derived from the secret, so only holders of the
+secret complete the handshake; a plaintext peer, or one with another secret,
+fails it inside ZeroMQ and never delivers a frame.  The HMAC checks stay on
+underneath, unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+from mpexec.ipc.auth import secret_bytes
+
+
+class CurveUnavailableError(RuntimeError):
+    """libzmq was built without CURVE (libsodium / tweetnacl)."""
+
+
+def _zmq() -> Any:
+    from mpexec.ipc.remote_socket import zmq_module
+
+    return zmq_module()
+
+
+def require_curve() -> None:
+    zmq = _zmq()
+    if not zmq.has("curve"):
+        raise CurveUnavailableError(
+            f"cluster_curve is on but this libzmq ({zmq.zmq_version()}) has no CURVE "
+            "support: install a pyzmq wheel (it bundles libzmq with CURVE) or turn "
+            "cluster_curve off")
+
+
+def _keypair(secret: str | bytes, role: str) -> tuple[bytes, bytes]:
+    from zmq.utils import z85
+
+    raw = hmac.new(secret_bytes(secret), f"mpexec/1/curve/{role}".encode(),
+                   hashlib.sha256).digest()
+    private = z85.encode(raw)
+    return _zmq().curve_public(private), private
+
+
+def secure(sock: Any, secret: str | bytes, *, server: bool) -> None:
+    """Turn CURVE on for ``sock`` (before it binds or connects)."""
+    require_curve()
+    zmq = _zmq()
+    server_public, server_private = _keypair(secret, "server")
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, server_private)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
+    else:
+        client_public, client_private = _keypair(secret, "client")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, client_private)

@@ -1,0 +1,171 @@
+"""The writer's side of what its remote readers send it: HELLO, ACK, RESUME, CLOSE.
+
+:class:`WriterControl` is the half of :class:`~mpexec.ipc.remote.RemoteWriter`
+that reads the ROUTER socket: it admits readers (HELLO -> WELCOME, or a
+plain-text refusal for a wrong secret), takes credit from ACKs, resends from
+the log on RESUME (``resend``), and notes readers that CLOSEd.  Every frame is
+opened (``auth``) before it is looked at; anything that fails is counted in
+``drops``.  It runs on the writer's thread while that waits for credit or
+readers, and on the service thread (:meth:`_serve`) while the writer's thread
+is elsewhere; ``_io`` gives the socket to one of them at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from mpexec.ipc.auth import (
+    ACK,
+    CLOSE,
+    HELLO,
+    RESUME,
+    WELCOME,
+    DropCounter,
+    FrameAuth,
+    Opened,
+    kind_of,
+    refusal,
+)
+from mpexec.ipc.remote_socket import zmq_module
+from mpexec.ipc.resend import ResendLog
+
+logger = logging.getLogger(__name__)
+
+SERVICE_S = 0.05  # how often an idle writer reads its readers' control frames
+
+
+class WriterControl:
+    """Control frames from remote readers (see the module docstring)."""
+
+    name: str
+    drops: DropCounter
+    resent: int
+    _sock: Any
+    _poller: Any
+    _events: int
+    _pollin: int
+    _in: FrameAuth
+    _out: FrameAuth
+    _log: ResendLog
+    _identity: dict[int, bytes]
+    _nonce: dict[int, int]
+    _reader_closed: set[int]
+    _ready: bool
+    _seq: int
+    _io: threading.Lock
+    _stop: threading.Event
+
+    # -- incoming control frames -------------------------------------------------
+
+    def _pump(self, wait_s: float) -> None:
+        """Handle every control frame that arrives within ``wait_s`` (0: what is there)."""
+        # Reading first and polling only when there was nothing: a poll
+        # costs more than a failed non-blocking read.
+        if self._drain() or wait_s <= 0:
+            return
+        if self._poller.poll(max(0, int(wait_s * 1000))):
+            self._drain()
+
+    def _drain(self) -> bool:
+        sock = self._sock
+        got = False
+        # ZMQ_EVENTS costs less than a failed non-blocking read (an exception).
+        while sock.getsockopt(self._events) & self._pollin:
+            frames = sock.recv_multipart()
+            got = True
+            self._handle(frames[0], frames[1:])
+        return got
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        opened = self._in.open(frames, self.drops)
+        if opened is None:
+            if kind_of(frames) == HELLO:
+                self._refuse(identity)
+            return
+        rank = opened.rank
+        log = self._log
+        if rank not in log.acked:
+            self.drops.drop("unknown rank")
+        elif opened.kind == HELLO:
+            self._hello(identity, rank, opened)
+        elif self._identity.get(rank) != identity:
+            self.drops.drop("not from the reader")
+        elif opened.kind == ACK or opened.kind == RESUME:
+            # A reader never goes back, and its counter grows with every
+            # control frame: anything else is an old frame replayed.
+            if not (log.acked[rank] <= opened.seq <= self._seq
+                    and log.fresh_control(rank, opened.aux)):
+                self.drops.drop("replayed")
+                return
+            log.ack(rank, opened.seq)
+            if opened.kind == RESUME:
+                self._resend(rank, opened.seq)
+        elif opened.kind == CLOSE:
+            self._reader_closed.add(rank)
+        else:
+            self.drops.drop("unexpected kind")
+
+    def _hello(self, identity: bytes, rank: int, opened: Opened) -> None:
+        known = self._identity.get(rank)
+        if known is not None:
+            if known != identity:
+                self.drops.drop("second reader for a rank")
+            elif self._ready and opened.seq == self._nonce[rank]:
+                self._welcome(rank)  # its HELLO is repeated: our WELCOME was lost
+            return
+        self._identity[rank] = identity
+        self._nonce[rank] = opened.seq
+        if self._ready:
+            self._welcome(rank)
+
+    def _welcome(self, rank: int) -> None:
+        self._send(rank, self._out.seal(WELCOME, rank, self._nonce[rank], [], aux=self._seq))
+
+    def _resend(self, rank: int, seq: int) -> None:
+        for frames in self._log.frames_from(rank, seq):
+            if not self._send(rank, frames):
+                return  # gone again: it will ask once more
+            self.resent += 1
+
+    def _refuse(self, identity: bytes) -> None:
+        zmq = zmq_module()  # the failed MAC was counted (and logged) as a drop already
+        try:
+            self._sock.send_multipart([identity, *refusal("bad secret")], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _send(self, rank: int, frames: list[Any]) -> bool:
+        """Send to one reader; False when it is not connected right now."""
+        zmq = zmq_module()
+        sock = self._sock
+        try:
+            if len(frames) == 1:  # a small message: two plain sends beat send_multipart
+                sock.send(self._identity[rank], zmq.SNDMORE)
+                sock.send(frames[0])
+            else:  # copy=False: pyzmq still copies frames under its copy threshold
+                sock.send_multipart([self._identity[rank], *frames], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False  # kept in the log; resent when it asks (RESUME)
+            raise
+        return True
+
+    def _serve(self) -> None:
+        """The service thread: control frames while the writer's thread is away."""
+        while not self._stop.wait(SERVICE_S):
+            if self._io.acquire(blocking=False):
+                try:
+                    if not self._stop.is_set():
+                        self._drain()
+                except Exception:
+                    if self._stop.is_set():
+                        return  # the socket closed under us: we are stopping
+                    # Not fatal to the queue: the writer's own thread reads
+                    # the socket too; keep serving and say why once per tick.
+                    logger.warning("queue %r: reading control frames failed", self.name,
+                                   exc_info=True)
+                finally:
+                    self._io.release()
+

@@ -1,0 +1,65 @@
+"""ZeroMQ sockets between hosts: the import, addresses, and shared settings.
+
+Used by both ends of a remote queue (``remote``, ``remote_reader``) and by the
+executor's node channel, so that every socket that crosses the network is set
+up one way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+CONTROL_MAX_BYTES = 4096  # what a reader may send the writer (HELLO/ACK/RESUME/CLOSE)
+CLOSE_GRACE_S = 2.0
+LINGER_MS = 200
+
+
+def zmq_module() -> Any:
+    try:
+        import zmq
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("remote readers need pyzmq: pip install 'mpexec[multinode]'") from exc
+    return zmq
+
+
+def endpoint(ip: str, port: int | str) -> str:
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+def channel_name(handle_token: int, name: str) -> str:
+    return f"mq/{name}/{handle_token:x}"
+
+
+# One ZeroMQ context (one I/O thread) for all the remote queue ends of a
+# process, counted: the last end to close terminates it, so no I/O thread or
+# descriptor outlives the queues.  One I/O thread instead of one per queue
+# means fewer thread wake-ups per round trip (a call out, its reply back).
+_context: Any = None
+_context_pid = 0
+_context_users = 0
+_context_lock = threading.Lock()
+
+
+def acquire_context() -> Any:
+    global _context, _context_pid, _context_users
+    with _context_lock:
+        if _context is None or _context_pid != os.getpid():
+            _context, _context_pid, _context_users = zmq_module().Context(1), os.getpid(), 0
+        _context_users += 1
+        return _context
+
+
+def release_context(context: Any) -> None:
+    """Give back what :func:`acquire_context` gave (its sockets closed first)."""
+    global _context, _context_users
+    with _context_lock:
+        if context is not _context:
+            return  # a forked copy's: not ours to end
+        _context_users -= 1
+        if _context_users:
+            return
+        _context = None
+    context.term()
