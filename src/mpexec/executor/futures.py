@@ -209,6 +209,11 @@ class CallOrder:
             with self._mutex:
                 if call.done:
                     return False
+                # Counted before it is done: a result() that returns (it may
+                # settle the future itself) is followed by stats() with it.
+                stats = self.stats
+                if stats is not None:
+                    stats.record(call.method, self.clock() - call.started, error is None)
                 call.value, call.error, call.done, call.finish = value, error, True, _finished
                 self._futures_pending -= 1
                 self._settle_later.append(call)
@@ -229,11 +234,8 @@ class CallOrder:
     def _settle_all(self) -> None:
         with self._mutex:
             calls, self._settle_later = self._settle_later, []
-        stats = self.stats
         for call in calls:
             settle(call)
-            if stats is not None:
-                stats.record(call.method, self.clock() - call.started, call.error is None)
 
     # -- progress (with ``lock`` held) ----------------------------------------------------
 
