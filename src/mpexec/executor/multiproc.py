@@ -197,7 +197,8 @@ class MultiprocExecutor(Executor):
                 self._remote_handles.update(dict.fromkeys(node.ranks, node))
             cluster.admit(partial(node_assignment, config, handle, life.port.init_method),
                           deadline, config.startup_timeout_s)
-        ready = wait_for_ready(local_handles, deadline, config.startup_timeout_s)
+        ready = wait_for_ready(local_handles, deadline, config.startup_timeout_s,
+                               watch=[] if cluster is None else list(cluster.nodes.values()))
         reply_handles = {message.rank: message.reply_handle for message in ready}
         if cluster is not None:
             reply_handles.update(cluster.collect(deadline, config.startup_timeout_s))
@@ -210,8 +211,6 @@ class MultiprocExecutor(Executor):
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
-        if cluster is not None:
-            cluster.start()
         handshake(mq, self.response_mqs, deadline, config.startup_timeout_s)
 
     # -- health ---------------------------------------------------------------------

@@ -7,6 +7,9 @@ local workers with their global ranks (``global_start_rank``), tells the
 leader where their reply queues are, and then only watches::
 
     join (JOIN -> CONFIG)  ->  start local workers  ->  READY  ->  watch loop
+    from JOIN on (start-up too): PING the leader every node_heartbeat_s;
+                               leader silent > timeout  -> end (1); BYE -> end (0)
+    start-up fails:            FAILED(what, the worker's traceback, rank), end
     watch loop, every poll:    PING the leader every node_heartbeat_s
                                a worker died            -> FAILED to the leader, end (1)
                                BYE from the leader      -> end, BYE back (0)
@@ -173,16 +176,65 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
         try:
             _start_workers(life, config, assignment, secret, bind_addr)
             deadline = time.monotonic() + config.startup_timeout_s
-            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s)
+            # The heartbeat runs during start-up too: the leader would call
+            # this node lost after node_timeout_s, however long loading takes.
+            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s,
+                                   tick=_StartupBeat(client, config, stop), tick_s=_POLL_S)
         except WorkerStartupError as exc:
-            client.send(FAILED, [str(exc).encode()])
+            rank = "" if exc.rank is None else str(exc.rank)
+            client.send(FAILED, [exc.args[0].encode(), exc.remote_traceback.encode(),
+                                 rank.encode()])
             raise
+        except _LeaderEnded:
+            logger.info("node %d: the leader ended the executor during start-up",
+                        client.node_rank)
+            life.close()
+            client.send(BYE, [])
+            return 0
+        except _LeaderLost as exc:
+            logger.error("node %d: %s; ending this node", client.node_rank, exc)
+            return 1
         client.send(READY, [pickle.dumps({m.rank: m.reply_handle for m in ready})])
         logger.info("node %d: ranks %s ready", client.node_rank,
                     [h.rank for h in life.handles])
         return _watch(client, config, life, stop)
     finally:
         life.close()
+
+
+class _LeaderEnded(Exception):
+    """BYE from the leader (or ``stop``) while the workers were starting."""
+
+
+class _LeaderLost(Exception):
+    """The leader fell silent while the workers were starting."""
+
+
+class _StartupBeat:
+    """The watch loop's heartbeat, as a ``wait_for_ready`` tick (start-up)."""
+
+    def __init__(self, client: NodeClient, config: ExecutorConfig,
+                 stop: threading.Event) -> None:
+        self.client = client
+        self.config = config
+        self.stop = stop
+        self.next_ping = 0.0
+
+    def __call__(self) -> None:
+        client = self.client
+        now = time.monotonic()
+        if now >= self.next_ping:
+            self.next_ping = now + self.config.node_heartbeat_s
+            client.send(PING, [])
+        while (kind := client.poll(0)) is not None:
+            if kind == BYE:
+                raise _LeaderEnded
+        if self.stop.is_set():
+            raise _LeaderEnded
+        silent = time.monotonic() - client.last_heard
+        if silent > self.config.node_timeout_s:
+            raise _LeaderLost(f"the leader at {client.address} is gone (no heartbeat for "
+                              f"{silent:.1f} s)")
 
 
 def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
