@@ -172,3 +172,13 @@ def test_followers_leave_when_the_leader_is_stopped(
         leader.wait(10)
         if leader.stdout is not None:
             leader.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_worker_failing_start_up_is_not_kept_waiting_for_followers(
+        leak_check: None) -> None:
+    port = free_port()  # no follower ever comes
+    with pytest.raises(WorkerStartupError, match=r"worker rank 0 .*failed during start-up"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0, worker_kwargs={
+            "fail_at": "init:raise", "fail_rank": 0}))
+    assert_port_free(port)

@@ -188,11 +188,16 @@ class NodeServer:
     # -- start-up (the executor's thread waits; the monitor serves) ---------------------
 
     def admit(self, assignment_for: Callable[[int], NodeAssignment], deadline: float,
-              timeout_s: float) -> None:
-        """Wait for every follower's JOIN (the monitor answers each with its CONFIG)."""
+              timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Wait for every follower's JOIN (the monitor answers each with its CONFIG).
+
+        Returns early once ``give_up()`` is true (a local worker already
+        failed: waiting for the followers would only delay saying so).
+        """
         self._assignment_for = assignment_for
         self.start()
-        self._wait_until(lambda: all(n.session is not None for n in self.nodes.values()),
+        self._wait_until(lambda: give_up() or all(n.session is not None
+                                                  for n in self.nodes.values()),
                          deadline, timeout_s, "join")
 
     def collect(self, deadline: float, timeout_s: float) -> dict[int, Handle]:

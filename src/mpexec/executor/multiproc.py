@@ -196,7 +196,8 @@ class MultiprocExecutor(Executor):
                 life.handles.append(node)  # a WorkerHandle too
                 self._remote_handles.update(dict.fromkeys(node.ranks, node))
             cluster.admit(partial(node_assignment, config, handle, life.port.init_method),
-                          deadline, config.startup_timeout_s)
+                          deadline, config.startup_timeout_s,
+                          give_up=lambda: not all(h.is_alive() for h in local_handles))
         ready = wait_for_ready(local_handles, deadline, config.startup_timeout_s,
                                watch=[] if cluster is None else list(cluster.nodes.values()))
         reply_handles = {message.rank: message.reply_handle for message in ready}
