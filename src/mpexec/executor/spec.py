@@ -50,6 +50,9 @@ class WorkerSpec:
     # from this address, and cross-host frames use this secret.
     reply_connect_ip: str | None = None
     cluster_secret: str | None = field(default=None, repr=False)
+    # A worker forked from the fork server inherits the server's environment,
+    # not the driver's: the driver's (thread_env included) travels here.
+    environ: Mapping[str, str] | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
