@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 import pytest
@@ -100,9 +100,13 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
                before_shm: set[str]) -> tuple[set[int], dict[int, str], set[str]]:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    children = descendants(os.getpid()) - before_children
+    # The fork server (mpexec forks workers from it while the driver runs
+    # threads) lives as long as this process, like the resource tracker;
+    # so does the pipe that tells it this process is alive.
+    server = forkserver._forkserver
+    children = descendants(os.getpid()) - before_children - {server._forkserver_pid}
     fds = {fd: target for fd, target in open_fds().items()
-           if before_fds.get(fd) != target}
+           if before_fds.get(fd) != target and fd != server._forkserver_alive_fd}
     shm = shm_entries() - before_shm
     return children, fds, shm
 
