@@ -13,7 +13,7 @@ resolve in call order whichever is asked first.
 A blocking call is a record and nothing more: its caller resolves it
 itself, holding the lock, which is as fast as reading the replies directly.
 A non-blocking call also gets a :class:`FutureWrapper`; while at least one
-such future is pending, the :class:`ReplyPump` thread resolves calls as
+such future is pending, the reply pump thread (``pump``) resolves calls as
 their replies arrive, so ``done()``, ``add_done_callback``,
 ``concurrent.futures.wait`` and ``asyncio.wrap_future`` work without anyone
 calling ``result()``.  The pump sleeps on a condition whenever no future is
@@ -37,7 +37,6 @@ the lock is released, so a callback may call the executor again.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback
@@ -45,11 +44,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mpexec.errors import WorkerError
 from mpexec.executor.protocol import Reply, qualified_type_name
 from mpexec.executor.stats import CallStats
+
+if TYPE_CHECKING:
+    from mpexec.executor.pump import ReplyPump
 
 
 class UndecodableReply(Exception):
@@ -353,60 +355,3 @@ def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:
         remote_traceback="".join(traceback.format_exception(cause)))
     error.__cause__ = cause
     return error
-
-
-_LINGER_S = 0.0005
-
-
-class ReplyPump:
-    """Resolves calls while non-blocking futures are pending; sleeps otherwise.
-
-    Started on the first non-blocking call, so an executor used only with
-    blocking calls never runs it.
-    """
-
-    def __init__(self, order: CallOrder, name: str = "MpexecReplyPump") -> None:
-        self._order = order
-        self._cond = threading.Condition(threading.Lock())
-        self._idle = True
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        order.pump = self
-        self._thread.start()
-
-    def wake(self) -> None:
-        if self._idle:
-            with self._cond:
-                self._cond.notify()
-
-    def stop(self, join_s: float) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(join_s)
-
-    def _run(self) -> None:
-        order = self._order
-        while True:
-            with self._cond:
-                while True:
-                    # Idle is announced before the check: a caller that adds
-                    # a future after the check sees it and notifies.
-                    self._idle = True
-                    if self._stopped or order.futures_pending:
-                        break
-                    self._cond.wait()
-                self._idle = False
-                if self._stopped:
-                    return
-            target = order.newest_future()
-            if target is None:
-                continue
-            with suppress(TimeoutError):
-                order.wait(target)
-            del target            # A caller that keeps issuing futures (an engine step after step)
-            # finds the pump still awake for a moment: no wake-up to pay.
-            linger_until = time.monotonic() + _LINGER_S
-            while not order.futures_pending and time.monotonic() < linger_until:
-                os.sched_yield()
