@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import cloudpickle
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError
+from mpexec.executor.launch import wait_for_ready
+from mpexec.executor.launcher import WorkerHandle
+from mpexec.executor.node_handle import RemoteNodeHandle
 from mpexec.executor.nodewire import (
     NONCE,
     NodeAssignment,
@@ -57,91 +60,6 @@ logger = logging.getLogger("mpexec.executor.multiproc")
 
 _POLL_S = 0.05
 _BYE_WAIT_S = 3.0
-
-
-class RemoteNodeHandle:
-    """A follower node, as one entry among the lifecycle's worker handles."""
-
-    def __init__(self, server: NodeServer, node_rank: int, ranks: range) -> None:
-        self.server = server
-        self.node_rank = node_rank
-        self.ranks = ranks
-        self.rank = ranks.start
-        self.identity: bytes | None = None
-        self.session: Session | None = None
-        self.reply_handles: dict[int, Handle] = {}
-        self.last_heard = time.monotonic()
-        self.how = ""
-        self.remote_traceback = ""  # of the worker whose failure the node reported
-        self.failed_rank: int | None = None  # and its rank
-        self.gone = threading.Event()
-        self.bye_requested = False
-        self._death_r, self._death_w = os.pipe()
-
-    @property
-    def name(self) -> str:
-        return f"node {self.node_rank} (ranks {self.ranks.start}-{self.ranks.stop - 1})"
-
-    @property
-    def pid(self) -> int | None:
-        return None
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    @property
-    def ready_conn(self) -> None:
-        return None
-
-    @property
-    def death_fd(self) -> int:
-        return self._death_r
-
-    def lost(self, how: str) -> None:
-        if self.gone.is_set():
-            return
-        self.how = f"{self.name} {how}"
-        self.gone.set()
-        if self._death_w >= 0:
-            os.write(self._death_w, b"x")
-
-    def is_alive(self) -> bool:
-        return not self.gone.is_set()
-
-    def terminate(self) -> None:
-        self.server.request_bye(self)
-
-    def kill(self) -> None:
-        self.server.request_bye(self)
-
-    def join(self, timeout: float | None) -> None:
-        self.gone.wait(timeout)
-
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.how or f"{self.name} ended"
-
-    def close_ready(self) -> None:
-        pass
-
-    def close_death_pipe(self) -> None:
-        self.server.request_bye(self)
-
-    def end_group(self) -> None:
-        pass
-
-    def close(self) -> None:
-        for fd in (self._death_r, self._death_w):
-            if fd >= 0:
-                os.close(fd)
-        self._death_r = self._death_w = -1
-        self.server.release(self)
-
-    def __repr__(self) -> str:
-        return f"<{self.name}>"
 
 
 class NodeServer:
@@ -401,3 +319,37 @@ def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
     parallel = dataclasses.replace(config.parallel, node_rank=node_rank)
     return NodeAssignment(config.replace(parallel=parallel, cluster_secret=None), broadcast,
                           init_method)
+
+
+# -- the leader's multi-node steps of MultiprocExecutor's start-up -----------------------
+
+def admit_followers(cluster: NodeServer, handles: list[WorkerHandle], config: ExecutorConfig,
+                    broadcast: Handle, init_method: str, deadline: float,
+                    ) -> dict[int, RemoteNodeHandle]:
+    """Add each follower node to ``handles`` (the lifecycle's), then wait for
+    every JOIN; returns each remote rank's node handle.
+
+    Stops waiting as soon as one of the local workers already in ``handles``
+    is gone: its own error (``wait_for_ready``) says more than a late JOIN.
+    """
+    local = list(handles)
+    remote: dict[int, RemoteNodeHandle] = {}
+    for node in cluster.nodes.values():
+        handles.append(node)  # a WorkerHandle too
+        remote.update(dict.fromkeys(node.ranks, node))
+    cluster.admit(partial(node_assignment, config, broadcast, init_method),
+                  deadline, config.startup_timeout_s,
+                  give_up=lambda: not all(h.is_alive() for h in local))
+    return remote
+
+
+def reply_handles_when_ready(local: list[WorkerHandle], cluster: NodeServer | None,
+                             deadline: float, timeout_s: float) -> dict[int, Handle]:
+    """Every rank's reply-queue handle: the local workers' ``Ready`` (a lost
+    follower fails this wait too), then every follower's READY."""
+    nodes = [] if cluster is None else list(cluster.nodes.values())
+    ready = wait_for_ready(local, deadline, timeout_s, watch=nodes)
+    handles = {message.rank: message.reply_handle for message in ready}
+    if cluster is not None:
+        handles.update(cluster.collect(deadline, timeout_s))
+    return handles

@@ -26,12 +26,10 @@ follower process is killed (parent-death signal, death pipe).
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import secrets
 import threading
 import time
-from functools import partial
 from typing import Any
 
 from mpexec.config import ExecutorConfig
@@ -40,7 +38,7 @@ from mpexec.executor.launch import wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher
 from mpexec.executor.lifecycle import Lifecycle
 from mpexec.executor.nodewire import NONCE, NodeAssignment, Session, endpoint, join_auth
-from mpexec.executor.spec import WorkerSpec, worker_contexts
+from mpexec.executor.spec import spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc.auth import (
     BYE,
@@ -53,7 +51,7 @@ from mpexec.ipc.auth import (
     DropCounter,
     is_refusal,
 )
-from mpexec.system import get_mp_context, maybe_force_spawn, thread_vars
+from mpexec.system import get_mp_context, maybe_force_spawn
 
 logger = logging.getLogger(__name__)
 
@@ -241,17 +239,9 @@ def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssi
                    secret: str, bind_addr: str) -> None:
     context = get_mp_context(maybe_force_spawn(config.mp_start_method))
     launcher = LocalProcessLauncher(context)
-    main_thread = threading.current_thread() is threading.main_thread()
-    for ctx in worker_contexts(config, assignment.distributed_init_method):
-        threads = config.omp_threads_for(ctx.local_rank)
-        env = {} if threads is None and config.device_type == "cpu" else thread_vars(
-            threads, os.environ)
-        cpus = config.cpus_for(ctx.local_rank)
-        spec_for = partial(
-            WorkerSpec, context=ctx, broadcast_handle=assignment.broadcast_handle,
-            driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
-            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env,
-            reply_connect_ip=bind_addr, cluster_secret=secret)
+    contexts = worker_contexts(config, assignment.distributed_init_method)
+    for spec_for in spec_factories(config, contexts, assignment.broadcast_handle,
+                                   reply_connect_ip=bind_addr, cluster_secret=secret):
         life.handles.append(launcher.start(spec_for))
 
 
