@@ -89,14 +89,14 @@ def _earliest(*deadlines: float | None) -> float | None:
 class PendingCall:
     """One broadcast call until its outcome is known (created on every call's path)."""
 
-    __slots__ = ("call_id", "method", "missing", "replies", "deadline", "timeout", "finish",
+    __slots__ = ("call_id", "method", "ranks", "replies", "deadline", "timeout", "finish",
                  "started", "done", "value", "error", "future")
 
     def __init__(self, call_id: int, method: str, ranks: Sequence[int], deadline: float | None,
                  finish: Finish, timeout: float | None = None, started: float = 0.0) -> None:
         self.call_id = call_id
         self.method = method
-        self.missing = list(ranks)
+        self.ranks = ranks  # those with no entry in replies yet are missing
         self.replies: dict[int, Reply] = {}
         self.deadline = deadline
         self.timeout = timeout
@@ -310,27 +310,28 @@ class CallOrder:
 
         On every call's path: locals over attribute lookups on purpose.
         """
-        missing = call.missing
         replies = call.replies
         read = self._reader.read_reply
         call_id = call.call_id
-        while missing:
-            rank = missing[0]
-            try:
-                reply = read(rank, None if limit is None else max(0.0, limit - self.clock()))
-            except UndecodableReply as exc:
-                # Still this call's reply (it was consumed): keep reading the
-                # other ranks' so that none is left to be taken for the next call.
-                reply = (call_id, False, _undecodable_error(call.method, exc))
-            if reply[0] != call_id:
-                if reply[0] < call_id:
-                    continue  # answers a call that already timed out
-                self._reader.unread_reply(rank, reply)
-                raise RuntimeError(
-                    f"rank {rank} answered call {reply[0]} before call {call_id} "
-                    f"({call.method}); its reply to call {call_id} is missing")
+        for rank in call.ranks:
+            if rank in replies:
+                continue  # read by an earlier, interrupted _collect
+            while True:
+                try:
+                    reply = read(rank, None if limit is None else max(0.0, limit - self.clock()))
+                except UndecodableReply as exc:
+                    # Still this call's reply (it was consumed): keep reading the
+                    # other ranks' so that none is left to be taken for the next call.
+                    reply = (call_id, False, _undecodable_error(call.method, exc))
+                if reply[0] == call_id:
+                    break
+                if reply[0] > call_id:
+                    self._reader.unread_reply(rank, reply)
+                    raise RuntimeError(
+                        f"rank {rank} answered call {reply[0]} before call {call_id} "
+                        f"({call.method}); its reply to call {call_id} is missing")
+                # else: it answers a call that already timed out; read on
             replies[rank] = reply
-            del missing[0]
         try:
             value = call.finish(call.method, replies)
         except Exception as exc:
