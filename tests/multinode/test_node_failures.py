@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +183,26 @@ def test_a_leader_worker_failing_start_up_is_not_kept_waiting_for_followers(
         MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0, worker_kwargs={
             "fail_at": "init:raise", "fail_rank": 0}))
     assert_port_free(port)
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_stopped_during_the_queue_handshake_fails_the_start(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.executor.cluster import NodeServer
+
+    follower, port = follower_port
+    collect = NodeServer.collect
+
+    def collect_then_stop(self: NodeServer, deadline: float, timeout_s: float) -> Any:
+        handles = collect(self, deadline, timeout_s)
+        signal_tree(follower.pid, signal.SIGSTOP)  # READY came; the handshake has not
+        return handles
+
+    monkeypatch.setattr(NodeServer, "collect", collect_then_stop)
+    with pytest.raises(WorkerStartupError, match=r"node 1 \(ranks 2-3\) lost: no heartbeat"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0))
+    assert_port_free(port)
+    tree = signal_tree(follower.pid, signal.SIGCONT)
+    assert follower.wait(30) == 1
+    assert _wait_gone(tree, 30) == set()

@@ -125,6 +125,11 @@ class NodeServer:
                          deadline, timeout_s, "report READY")
         return {rank: h for n in self.nodes.values() for rank, h in n.reply_handles.items()}
 
+    def lost_during_start(self) -> str | None:
+        """Why the start cannot finish (a node is lost), or None."""
+        gone = next((n for n in self.nodes.values() if n.gone.is_set()), None)
+        return None if gone is None else f"{gone.how} (during start-up)"
+
     def _wait_until(self, done: Callable[[], bool], deadline: float, timeout_s: float,
                     what: str) -> None:
         while not done():

@@ -114,18 +114,42 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
 
 
 def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: float,
-              timeout_s: float) -> None:
-    """The driver's half of the queue handshake, bounded by ``deadline``."""
+              timeout_s: float, lost: Callable[[], str | None] | None = None) -> None:
+    """The driver's half of the queue handshake, bounded by ``deadline``.
+
+    ``lost``, when given, says why the start cannot finish (a follower node
+    is gone) or None; it is asked every ``_HANDSHAKE_SLICE_S`` of waiting.
+    """
     # Ensure message queues are ready.  Will deadlock if re-ordered: each
     # worker waits on the broadcast queue before its reply queue, so we
     # must finish the broadcast handshake before waiting on any reply queue.
     try:
-        broadcast.wait_until_ready(max(0.0, deadline - time.monotonic()))
-        for mq in replies:
-            mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
+        for mq in (broadcast, *replies):
+            _wait_until_ready(mq, deadline, lost)
     except PeerDiedError as exc:
         raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
     except TimeoutError as exc:
         raise WorkerStartupError(
             f"the queue handshake did not finish within {timeout_s:g}s "
             f"(startup_timeout_s): {exc}") from exc
+
+
+# Longer than a remote reader's HELLO repeat (1 s), so that slicing the wait
+# never keeps it from saying HELLO again.
+_HANDSHAKE_SLICE_S = 1.5
+
+
+def _wait_until_ready(mq: MessageQueue, deadline: float,
+                      lost: Callable[[], str | None] | None) -> None:
+    while True:
+        now = time.monotonic()
+        end = deadline if lost is None else min(deadline, now + _HANDSHAKE_SLICE_S)
+        try:
+            mq.wait_until_ready(max(0.0, end - now))
+            return
+        except TimeoutError:
+            if lost is None or time.monotonic() >= deadline:
+                raise
+            why = lost()
+            if why is not None:
+                raise WorkerStartupError(why) from None

@@ -197,7 +197,8 @@ class MultiprocExecutor(Executor):
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
-        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s)
+        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s,
+                  None if cluster is None else cluster.lost_during_start)
 
     # -- health ---------------------------------------------------------------------
 
