@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 import pytest
@@ -104,7 +104,11 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
                ) -> tuple[set[int], dict[int, str], set[str]]:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    now = descendants(os.getpid())
+    # The fork server (mpexec forks workers from it while the driver runs
+    # threads) lives as long as this process, like the resource tracker;
+    # so does the pipe that tells it this process is alive.
+    server = forkserver._forkserver
+    now = descendants(os.getpid()) - {server._forkserver_pid}
     children = now - before_children
     if pooled is not None:
         # A pooled process that took work of ours since (an idle Ray worker
@@ -112,7 +116,7 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
         children = {pid for pid in now if not pooled(pid)
                     and (pid in children or is_ray_process(pid))}
     fds = {fd: target for fd, target in open_fds().items()
-           if before_fds.get(fd) != target}
+           if before_fds.get(fd) != target and fd != server._forkserver_alive_fd}
     shm = shm_entries(pooled) - before_shm
     return children, fds, shm
 

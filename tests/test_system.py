@@ -72,13 +72,15 @@ def test_maybe_force_spawn_with_threads(
     helper = threading.Thread(target=stop.wait, args=(30,), name="helper-thread")
     helper.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="mpexec.system"):
-            assert system.maybe_force_spawn("fork") == "spawn"
+        with caplog.at_level(logging.DEBUG, logger="mpexec.system"):
+            assert system.maybe_force_spawn("fork") == "forkserver"
+            assert system.maybe_force_spawn("fork") == "forkserver"
     finally:
         stop.set()
         helper.join(timeout=30)
-    assert "threads are running" in caplog.text
+    assert "instead of 'fork'" in caplog.text and "threads are running" in caplog.text
     assert "helper-thread" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_maybe_force_spawn_with_cuda_initialised(

@@ -240,3 +240,22 @@ def test_callbacks_run_without_the_reply_lock() -> None:
     calls.reader.add(0, 1, "x")
     assert future.result() == ["x"]
     assert held == [False]
+
+
+def test_a_future_is_counted_in_stats_before_it_completes() -> None:
+    from mpexec.executor.stats import CallStats
+
+    calls = Calls()
+    calls.order.stats = stats = CallStats()
+    seen: list[int] = []
+    first = calls.call()
+    first.add_done_callback(lambda f: seen.append(stats.snapshot()[f.call.method].calls))
+    calls.reader.add(0, first.call_id, "one")
+    assert first.result() == ["one"]
+    assert seen == [1]  # the done-callback already finds the call counted
+    # Resolved by someone else (the reply pump) but not settled yet: the
+    # result() that settles it itself still returns after the count.
+    second = calls.call()
+    calls.order.resolve(second.call, ["two"])
+    assert second.result() == ["two"]
+    assert stats.snapshot()[second.call.method].calls == 1

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.usefixtures("leak_check")
 
 ROOT = Path(__file__).resolve().parents[2]
 START_METHODS = [pytest.param("fork"), pytest.param("spawn", marks=pytest.mark.slow)]
+# The driver going away: a worker forked from the fork server has the server,
+# not the driver, as its parent.
+DRIVER_START_METHODS = [*START_METHODS, pytest.param("forkserver")]
 WAIT_S = 30.0
 
 
@@ -221,7 +224,7 @@ BUSY_DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", DRIVER_START_METHODS)
 def test_driver_sigkill_ends_busy_workers_and_their_children(method: str,
                                                              tmp_path: Path) -> None:
     pid_file = str(tmp_path / "pids")
@@ -263,7 +266,7 @@ EXITING_DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("method", START_METHODS)
+@pytest.mark.parametrize("method", DRIVER_START_METHODS)
 def test_interpreter_exit_without_shutdown_is_orderly(method: str) -> None:
     done = subprocess.run([sys.executable, "-c", EXITING_DRIVER, method, "exit"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=90)

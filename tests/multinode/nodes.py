@@ -51,3 +51,14 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def signal_tree(pid: int, signum: int) -> set[int]:
+    """Send ``signum`` to ``pid`` and each of its descendants; the pids signalled."""
+    tree = tree_of(pid)
+    for p in tree:
+        try:
+            os.kill(p, signum)
+        except ProcessLookupError:
+            pass
+    return tree

@@ -1,9 +1,13 @@
 """The leader's side of an executor spanning several nodes.
 
 The protocol is drawn in ``nodewire``.  :class:`NodeServer` binds the node
-control socket at ``master_addr:master_port``, admits every follower
-(``admit``: JOIN -> CONFIG), collects the reply-queue handles of its ranks
-(``collect``: READY), and then runs the heartbeat thread (``start``).  Each
+control socket at ``master_addr:master_port``; from ``admit`` on, one thread
+(the node monitor) owns that socket: it answers every follower's JOIN with
+its CONFIG, records the reply-queue handles each READY brings, and runs the
+heartbeats, so a follower that joined and then died or fell silent is lost
+after ``node_timeout_s`` even while the executor is still starting.  The
+executor's thread only waits (``admit``: every node joined; ``collect``:
+every node READY) and fails the start at once when a node is lost.  Each
 follower is one :class:`RemoteNodeHandle` among the lifecycle's worker
 handles, so the lifecycle and the failure table treat a lost node like a
 dead worker: its death descriptor becomes readable when the node is lost
@@ -17,17 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import cloudpickle
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError
+from mpexec.executor.launch import wait_for_ready
+from mpexec.executor.launcher import WorkerHandle
+from mpexec.executor.node_handle import RemoteNodeHandle
 from mpexec.executor.nodewire import (
     NONCE,
     NodeAssignment,
@@ -54,89 +61,6 @@ logger = logging.getLogger("mpexec.executor.multiproc")
 
 _POLL_S = 0.05
 _BYE_WAIT_S = 3.0
-
-
-class RemoteNodeHandle:
-    """A follower node, as one entry among the lifecycle's worker handles."""
-
-    def __init__(self, server: NodeServer, node_rank: int, ranks: range) -> None:
-        self.server = server
-        self.node_rank = node_rank
-        self.ranks = ranks
-        self.rank = ranks.start
-        self.identity: bytes | None = None
-        self.session: Session | None = None
-        self.reply_handles: dict[int, Handle] = {}
-        self.last_heard = time.monotonic()
-        self.how = ""
-        self.gone = threading.Event()
-        self.bye_requested = False
-        self._death_r, self._death_w = os.pipe()
-
-    @property
-    def name(self) -> str:
-        return f"node {self.node_rank} (ranks {self.ranks.start}-{self.ranks.stop - 1})"
-
-    @property
-    def pid(self) -> int | None:
-        return None
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    @property
-    def ready_conn(self) -> None:
-        return None
-
-    @property
-    def death_fd(self) -> int:
-        return self._death_r
-
-    def lost(self, how: str) -> None:
-        if self.gone.is_set():
-            return
-        self.how = f"{self.name} {how}"
-        self.gone.set()
-        if self._death_w >= 0:
-            os.write(self._death_w, b"x")
-
-    def is_alive(self) -> bool:
-        return not self.gone.is_set()
-
-    def terminate(self) -> None:
-        self.server.request_bye(self)
-
-    def kill(self) -> None:
-        self.server.request_bye(self)
-
-    def join(self, timeout: float | None) -> None:
-        self.gone.wait(timeout)
-
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.how or f"{self.name} ended"
-
-    def close_ready(self) -> None:
-        pass
-
-    def close_death_pipe(self) -> None:
-        self.server.request_bye(self)
-
-    def end_group(self) -> None:
-        pass
-
-    def close(self) -> None:
-        for fd in (self._death_r, self._death_w):
-            if fd >= 0:
-                os.close(fd)
-        self._death_r = self._death_w = -1
-        self.server.release(self)
-
-    def __repr__(self) -> str:
-        return f"<{self.name}>"
 
 
 class NodeServer:
@@ -174,49 +98,60 @@ class NodeServer:
         self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
                                                          (r + 1) * local_world_size))
                       for r in range(1, nnodes)}
+        self._assignment_for: Callable[[int], NodeAssignment] | None = None
+        self._changed = threading.Event()  # the monitor saw something: waiters look again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._released = 0
         self._closed = False
         self._lock = threading.Lock()
 
-    # -- start-up (the executor's thread) --------------------------------------------
+    # -- start-up (the executor's thread waits; the monitor serves) ---------------------
 
     def admit(self, assignment_for: Callable[[int], NodeAssignment], deadline: float,
-              timeout_s: float) -> None:
-        """Wait for every follower's JOIN; answer each with its CONFIG."""
-        def joined(node: RemoteNodeHandle) -> bool:
-            return node.session is not None
+              timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Wait for every follower's JOIN (the monitor answers each with its CONFIG).
 
-        self._serve_until(joined, deadline, timeout_s, "join", assignment_for)
+        Returns early once ``give_up()`` is true (a local worker already
+        failed: waiting for the followers would only delay saying so).
+        """
+        self._assignment_for = assignment_for
+        self.start()
+        self._wait_until(lambda node: node.session is not None, deadline, timeout_s,
+                         "join", give_up)
 
     def collect(self, deadline: float, timeout_s: float) -> dict[int, Handle]:
         """Every follower's READY: the reply-queue handle of each remote rank."""
-        def ready(node: RemoteNodeHandle) -> bool:
-            return len(node.reply_handles) == len(node.ranks)
-
-        self._serve_until(ready, deadline, timeout_s, "report READY", None)
+        self._wait_until(lambda node: len(node.reply_handles) == len(node.ranks),
+                         deadline, timeout_s, "report READY")
         return {rank: h for n in self.nodes.values() for rank, h in n.reply_handles.items()}
 
-    def _serve_until(self, node_done: Callable[[RemoteNodeHandle], bool], deadline: float,
-                     timeout_s: float, what: str,
-                     assignment_for: Callable[[int], NodeAssignment] | None) -> None:
-        while not all(node_done(n) for n in self.nodes.values()):
+    def lost_during_start(self) -> str | None:
+        """Why the start cannot finish (a node is lost), or None."""
+        gone = next((n for n in self.nodes.values() if n.gone.is_set()), None)
+        return None if gone is None else f"{gone.how} (during start-up)"
+
+    def _wait_until(self, node_done: Callable[[RemoteNodeHandle], bool], deadline: float,
+                    timeout_s: float, what: str,
+                    give_up: Callable[[], bool] = lambda: False) -> None:
+        while not (give_up() or all(node_done(n) for n in self.nodes.values())):
             for node in self.nodes.values():
                 if node.gone.is_set():
-                    raise WorkerStartupError(f"{node.how}", rank=node.rank)
+                    rank = node.rank if node.failed_rank is None else node.failed_rank
+                    raise WorkerStartupError(f"{node.how} (during start-up)", rank=rank,
+                                             remote_traceback=node.remote_traceback)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 late = [n.name for n in self.nodes.values() if not node_done(n)]
                 raise WorkerStartupError(f"follower node(s) did not {what} within "
                                          f"{timeout_s:g}s (startup_timeout_s): "
                                          f"{', '.join(late)}")
-            self._receive(min(remaining, _POLL_S), assignment_for)
+            self._changed.wait(min(remaining, _POLL_S))
+            self._changed.clear()
 
-    # -- frames -------------------------------------------------------------------------
+    # -- frames (the monitor's thread) ---------------------------------------------------
 
-    def _receive(self, wait_s: float, assignment_for: Callable[[int], NodeAssignment] | None,
-                 ) -> None:
+    def _receive(self, wait_s: float) -> None:
         zmq = self._zmq
         if not self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
             return
@@ -225,13 +160,13 @@ class NodeServer:
                 identity, *frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(identity, frames, assignment_for)
+            self._handle(identity, frames)
+            self._changed.set()
 
-    def _handle(self, identity: bytes, frames: list[bytes],
-                assignment_for: Callable[[int], NodeAssignment] | None) -> None:
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         node = next((n for n in self.nodes.values() if n.identity == identity), None)
         if node is None:
-            self._join(identity, frames, assignment_for)
+            self._join(identity, frames)
             return
         assert node.session is not None
         opened = node.session.open(frames)
@@ -242,14 +177,18 @@ class NodeServer:
             handles: dict[int, Handle] = pickle.loads(opened.parts[0])  # authenticated
             node.reply_handles = {r: h for r, h in handles.items() if r in node.ranks}
         elif opened.kind == FAILED:
-            node.lost(f"reported: {bytes(opened.parts[0]).decode(errors='replace')}")
+            # [what happened] or, from start-up, [what, the worker's traceback, its rank]
+            text = [bytes(part).decode(errors="replace") for part in opened.parts[:3]]
+            node.remote_traceback = text[1] if len(text) > 1 else ""
+            if len(text) > 2 and text[2].isdigit() and int(text[2]) in node.ranks:
+                node.failed_rank = int(text[2])
+            node.lost(f"reported: {text[0]}")
         elif opened.kind == BYE:
             node.how = node.how or f"{node.name} left"
             node.gone.set()
         # PING: last_heard is all it says
 
-    def _join(self, identity: bytes, frames: list[bytes],
-              assignment_for: Callable[[int], NodeAssignment] | None) -> None:
+    def _join(self, identity: bytes, frames: list[bytes]) -> None:
         opened = self._join_in.open(frames, self.drops)
         if opened is None:
             if kind_of(frames) == JOIN:
@@ -258,6 +197,7 @@ class NodeServer:
                 self._send(identity, refusal("the cluster secret differs from the leader's"))
             return
         node = self.nodes.get(opened.rank)
+        assignment_for = self._assignment_for
         if opened.kind != JOIN or node is None or assignment_for is None:
             self.drops.drop("unexpected join")
             return
@@ -281,9 +221,12 @@ class NodeServer:
         except zmq.ZMQError:
             return False  # gone (EHOSTUNREACH) or backed up: the heartbeat decides
 
-    # -- heartbeats (their own thread, from start() on) ---------------------------------
+    # -- heartbeats (the monitor's thread, from admit() on) -----------------------------
 
     def start(self) -> None:
+        """Start the node monitor (``admit`` does; idempotent)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                         name="MpexecNodeMonitor")
         self._thread.start()
@@ -300,9 +243,13 @@ class NodeServer:
                         self._send(node.identity or b"",
                                    node.session.seal(PING, node.node_rank, []))
             for node in self.nodes.values():
+                # Only a node that joined has a heartbeat to miss; one that
+                # never joins is the start-up timeout's.
                 silent = now - node.last_heard
-                if not node.gone.is_set() and silent > self.timeout_s:
+                if not node.gone.is_set() and node.session is not None \
+                        and silent > self.timeout_s:
                     node.lost(f"lost: no heartbeat for {silent:.1f} s")
+                    self._changed.set()
                 if node.bye_requested and not node.gone.is_set() and node.session is not None \
                         and node.identity is not None:
                     node.bye_requested = False
@@ -311,13 +258,17 @@ class NodeServer:
             if self._stop.is_set() and (bye_deadline is None or now >= bye_deadline or all(
                     n.gone.is_set() for n in self.nodes.values())):
                 return
-            self._receive(_POLL_S, None)
+            self._receive(_POLL_S)
 
     # -- the end -------------------------------------------------------------------------
 
     def request_bye(self, node: RemoteNodeHandle) -> None:
         """Tell ``node`` to end; without a heartbeat thread, at once from here."""
         if node.gone.is_set():
+            return
+        if node.session is None:  # never joined: nothing to tell, nothing to wait for
+            node.how = node.how or f"{node.name} never joined"
+            node.gone.set()
             return
         if self._thread is not None and self._thread.is_alive():
             node.bye_requested = True
@@ -376,3 +327,37 @@ def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
     parallel = dataclasses.replace(config.parallel, node_rank=node_rank)
     return NodeAssignment(config.replace(parallel=parallel, cluster_secret=None), broadcast,
                           init_method)
+
+
+# -- the leader's multi-node steps of MultiprocExecutor's start-up -----------------------
+
+def admit_followers(cluster: NodeServer, handles: list[WorkerHandle], config: ExecutorConfig,
+                    broadcast: Handle, init_method: str, deadline: float,
+                    ) -> dict[int, RemoteNodeHandle]:
+    """Add each follower node to ``handles`` (the lifecycle's), then wait for
+    every JOIN; returns each remote rank's node handle.
+
+    Stops waiting as soon as one of the local workers already in ``handles``
+    is gone: its own error (``wait_for_ready``) says more than a late JOIN.
+    """
+    local = list(handles)
+    remote: dict[int, RemoteNodeHandle] = {}
+    for node in cluster.nodes.values():
+        handles.append(node)  # a WorkerHandle too
+        remote.update(dict.fromkeys(node.ranks, node))
+    cluster.admit(partial(node_assignment, config, broadcast, init_method),
+                  deadline, config.startup_timeout_s,
+                  give_up=lambda: not all(h.is_alive() for h in local))
+    return remote
+
+
+def reply_handles_when_ready(local: list[WorkerHandle], cluster: NodeServer | None,
+                             deadline: float, timeout_s: float) -> dict[int, Handle]:
+    """Every rank's reply-queue handle: the local workers' ``Ready`` (a lost
+    follower fails this wait too), then every follower's READY."""
+    nodes = [] if cluster is None else list(cluster.nodes.values())
+    ready = wait_for_ready(local, deadline, timeout_s, watch=nodes)
+    handles = {message.rank: message.reply_handle for message in ready}
+    if cluster is not None:
+        handles.update(cluster.collect(deadline, timeout_s))
+    return handles

@@ -13,7 +13,7 @@ resolve in call order whichever is asked first.
 A blocking call is a record and nothing more: its caller resolves it
 itself, holding the lock, which is as fast as reading the replies directly.
 A non-blocking call also gets a :class:`FutureWrapper`; while at least one
-such future is pending, the :class:`ReplyPump` thread resolves calls as
+such future is pending, the reply pump thread (``pump``) resolves calls as
 their replies arrive, so ``done()``, ``add_done_callback``,
 ``concurrent.futures.wait`` and ``asyncio.wrap_future`` work without anyone
 calling ``result()``.  The pump sleeps on a condition whenever no future is
@@ -37,7 +37,6 @@ the lock is released, so a callback may call the executor again.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback
@@ -45,11 +44,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mpexec.errors import WorkerError
 from mpexec.executor.protocol import Reply, qualified_type_name
 from mpexec.executor.stats import CallStats
+
+if TYPE_CHECKING:
+    from mpexec.executor.pump import ReplyPump
 
 
 class UndecodableReply(Exception):
@@ -87,14 +89,14 @@ def _earliest(*deadlines: float | None) -> float | None:
 class PendingCall:
     """One broadcast call until its outcome is known (created on every call's path)."""
 
-    __slots__ = ("call_id", "method", "missing", "replies", "deadline", "timeout", "finish",
+    __slots__ = ("call_id", "method", "ranks", "replies", "deadline", "timeout", "finish",
                  "started", "done", "value", "error", "future")
 
     def __init__(self, call_id: int, method: str, ranks: Sequence[int], deadline: float | None,
                  finish: Finish, timeout: float | None = None, started: float = 0.0) -> None:
         self.call_id = call_id
         self.method = method
-        self.missing = list(ranks)
+        self.ranks = ranks  # those with no entry in replies yet are missing
         self.replies: dict[int, Reply] = {}
         self.deadline = deadline
         self.timeout = timeout
@@ -209,6 +211,11 @@ class CallOrder:
             with self._mutex:
                 if call.done:
                     return False
+                # Counted before it is done: a result() that returns (it may
+                # settle the future itself) is followed by stats() with it.
+                stats = self.stats
+                if stats is not None:
+                    stats.record(call.method, self.clock() - call.started, error is None)
                 call.value, call.error, call.done, call.finish = value, error, True, _finished
                 self._futures_pending -= 1
                 self._settle_later.append(call)
@@ -229,11 +236,8 @@ class CallOrder:
     def _settle_all(self) -> None:
         with self._mutex:
             calls, self._settle_later = self._settle_later, []
-        stats = self.stats
         for call in calls:
             settle(call)
-            if stats is not None:
-                stats.record(call.method, self.clock() - call.started, call.error is None)
 
     # -- progress (with ``lock`` held) ----------------------------------------------------
 
@@ -306,27 +310,28 @@ class CallOrder:
 
         On every call's path: locals over attribute lookups on purpose.
         """
-        missing = call.missing
         replies = call.replies
         read = self._reader.read_reply
         call_id = call.call_id
-        while missing:
-            rank = missing[0]
-            try:
-                reply = read(rank, None if limit is None else max(0.0, limit - self.clock()))
-            except UndecodableReply as exc:
-                # Still this call's reply (it was consumed): keep reading the
-                # other ranks' so that none is left to be taken for the next call.
-                reply = (call_id, False, _undecodable_error(call.method, exc))
-            if reply[0] != call_id:
-                if reply[0] < call_id:
-                    continue  # answers a call that already timed out
-                self._reader.unread_reply(rank, reply)
-                raise RuntimeError(
-                    f"rank {rank} answered call {reply[0]} before call {call_id} "
-                    f"({call.method}); its reply to call {call_id} is missing")
+        for rank in call.ranks:
+            if rank in replies:
+                continue  # read by an earlier, interrupted _collect
+            while True:
+                try:
+                    reply = read(rank, None if limit is None else max(0.0, limit - self.clock()))
+                except UndecodableReply as exc:
+                    # Still this call's reply (it was consumed): keep reading the
+                    # other ranks' so that none is left to be taken for the next call.
+                    reply = (call_id, False, _undecodable_error(call.method, exc))
+                if reply[0] == call_id:
+                    break
+                if reply[0] > call_id:
+                    self._reader.unread_reply(rank, reply)
+                    raise RuntimeError(
+                        f"rank {rank} answered call {reply[0]} before call {call_id} "
+                        f"({call.method}); its reply to call {call_id} is missing")
+                # else: it answers a call that already timed out; read on
             replies[rank] = reply
-            del missing[0]
         try:
             value = call.finish(call.method, replies)
         except Exception as exc:
@@ -351,60 +356,3 @@ def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:
         remote_traceback="".join(traceback.format_exception(cause)))
     error.__cause__ = cause
     return error
-
-
-_LINGER_S = 0.0005
-
-
-class ReplyPump:
-    """Resolves calls while non-blocking futures are pending; sleeps otherwise.
-
-    Started on the first non-blocking call, so an executor used only with
-    blocking calls never runs it.
-    """
-
-    def __init__(self, order: CallOrder, name: str = "MpexecReplyPump") -> None:
-        self._order = order
-        self._cond = threading.Condition(threading.Lock())
-        self._idle = True
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        order.pump = self
-        self._thread.start()
-
-    def wake(self) -> None:
-        if self._idle:
-            with self._cond:
-                self._cond.notify()
-
-    def stop(self, join_s: float) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(join_s)
-
-    def _run(self) -> None:
-        order = self._order
-        while True:
-            with self._cond:
-                while True:
-                    # Idle is announced before the check: a caller that adds
-                    # a future after the check sees it and notifies.
-                    self._idle = True
-                    if self._stopped or order.futures_pending:
-                        break
-                    self._cond.wait()
-                self._idle = False
-                if self._stopped:
-                    return
-            target = order.newest_future()
-            if target is None:
-                continue
-            with suppress(TimeoutError):
-                order.wait(target)
-            del target            # A caller that keeps issuing futures (an engine step after step)
-            # finds the pump still awake for a moment: no wake-up to pay.
-            linger_until = time.monotonic() + _LINGER_S
-            while not order.futures_pending and time.monotonic() < linger_until:
-                os.sched_yield()

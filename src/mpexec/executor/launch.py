@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import time
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from mpexec.errors import PeerDiedError, WorkerStartupError
@@ -42,18 +43,24 @@ def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
     return error
 
 
-def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: float,
-                   ) -> list[Ready]:
+def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: float, *,
+                   watch: Sequence[WorkerHandle] = (), tick: Callable[[], None] | None = None,
+                   tick_s: float = 0.05) -> list[Ready]:
     """Every worker's ``Ready``, in local-rank order; ``WorkerStartupError`` otherwise.
 
     ``timeout_s`` is the configured start-up timeout, named in the error;
     ``deadline`` is when it runs out (the start itself used some of it).
+    ``watch``: handles with no ready pipe (follower nodes) whose death also
+    fails the start.  ``tick``, when given, runs at least every ``tick_s``
+    while waiting (a follower keeps its heartbeat going); what it raises
+    ends the wait.
     """
     pipes: dict[Connection, WorkerHandle] = {}
     for h in handles:
         assert h.ready_conn is not None
         pipes[h.ready_conn] = h
     deaths = {h.death_fd: h for h in handles}
+    watched = {h.death_fd: h for h in watch}
     ready: list[Ready | None] = [None] * len(handles)
     try:
         while pipes:
@@ -63,7 +70,18 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
                 raise WorkerStartupError(
                     f"worker rank(s) {late} did not report READY within {timeout_s:g}s "
                     "(startup_timeout_s)")
-            signalled = multiprocessing.connection.wait([*pipes, *deaths], remaining)
+            if tick is not None:
+                tick()
+                remaining = min(remaining, tick_s)
+            signalled = multiprocessing.connection.wait([*pipes, *deaths, *watched], remaining)
+            for obj in signalled:
+                lost = watched.get(obj) if isinstance(obj, int) else None
+                if lost is not None:
+                    rank = getattr(lost, "failed_rank", None)
+                    raise WorkerStartupError(
+                        f"{lost.describe_exit()} (during start-up)",
+                        rank=lost.rank if rank is None else rank,
+                        remote_traceback=getattr(lost, "remote_traceback", ""))
             # Pipes first: a worker that reported a failure and exited shows
             # up on both, and its message is the better explanation.
             for obj in signalled:
@@ -96,18 +114,42 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
 
 
 def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: float,
-              timeout_s: float) -> None:
-    """The driver's half of the queue handshake, bounded by ``deadline``."""
+              timeout_s: float, lost: Callable[[], str | None] | None = None) -> None:
+    """The driver's half of the queue handshake, bounded by ``deadline``.
+
+    ``lost``, when given, says why the start cannot finish (a follower node
+    is gone) or None; it is asked every ``_HANDSHAKE_SLICE_S`` of waiting.
+    """
     # Ensure message queues are ready.  Will deadlock if re-ordered: each
     # worker waits on the broadcast queue before its reply queue, so we
     # must finish the broadcast handshake before waiting on any reply queue.
     try:
-        broadcast.wait_until_ready(max(0.0, deadline - time.monotonic()))
-        for mq in replies:
-            mq.wait_until_ready(max(0.0, deadline - time.monotonic()))
+        for mq in (broadcast, *replies):
+            _wait_until_ready(mq, deadline, lost)
     except PeerDiedError as exc:
         raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
     except TimeoutError as exc:
         raise WorkerStartupError(
             f"the queue handshake did not finish within {timeout_s:g}s "
             f"(startup_timeout_s): {exc}") from exc
+
+
+# Longer than a remote reader's HELLO repeat (1 s), so that slicing the wait
+# never keeps it from saying HELLO again.
+_HANDSHAKE_SLICE_S = 1.5
+
+
+def _wait_until_ready(mq: MessageQueue, deadline: float,
+                      lost: Callable[[], str | None] | None) -> None:
+    while True:
+        now = time.monotonic()
+        end = deadline if lost is None else min(deadline, now + _HANDSHAKE_SLICE_S)
+        try:
+            mq.wait_until_ready(max(0.0, end - now))
+            return
+        except TimeoutError:
+            if lost is None or time.monotonic() >= deadline:
+                raise
+            why = lost()
+            if why is not None:
+                raise WorkerStartupError(why) from None

@@ -27,6 +27,7 @@ sentinel pipe, a grandchild that inherited it cannot keep it from firing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -194,6 +195,7 @@ class LocalProcessLauncher:
     def __init__(self, context: BaseContext) -> None:
         self.context = context
         self.fork = context.get_start_method() == "fork"
+        self.forkserver = context.get_start_method() == "forkserver"
         # A forked child inherits the driver's ends of its siblings' pipes;
         # it must close them, or a sibling's death pipe would never see EOF.
         self._driver_ends: list[int] = []
@@ -207,6 +209,12 @@ class LocalProcessLauncher:
             inherited = (*self._driver_ends, ready_reader.fileno(), death_writer.fileno())
         spec = spec_for(ready_pipe=ready_writer, death_pipe=death_reader,
                         inherited_fds=inherited)
+        if self.forkserver:
+            # The worker's parent is the fork server, whose death says nothing
+            # about the driver's (the death pipe does), and whose environment
+            # is the one it started with.
+            spec = dataclasses.replace(spec, parent_death_signal=False,
+                                       environ={**os.environ, **spec.thread_env})
         proc: BaseProcess = self.context.Process(  # type: ignore[attr-defined]
             target=worker_main, args=(spec,), name=f"MpexecWorker-{spec.rank}", daemon=True)
         try:

@@ -72,9 +72,11 @@ class Death:
 
     def error(self) -> WorkerDiedError:
         how = self.how or describe_exitcode(self.exitcode)
-        return WorkerDiedError(
-            f"worker rank {self.rank} (pid {self.pid}) died: {how}; the executor has failed",
-            rank=self.rank, pid=self.pid, exitcode=self.exitcode)
+        # No pid: a follower node, and ``how`` names it and its ranks.
+        what = f"worker rank {self.rank} (pid {self.pid}) died: " if self.pid is not None \
+            else ""
+        return WorkerDiedError(f"{what}{how}; the executor has failed",
+                               rank=self.rank, pid=self.pid, exitcode=self.exitcode)
 
 
 class Lifecycle:

@@ -32,7 +32,6 @@ whichever comes first: either way the caller gets ``WorkerDiedError``.
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import time
@@ -46,20 +45,27 @@ import cloudpickle
 from mpexec.config import ExecutorConfig
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
-from mpexec.executor.cluster import NodeServer, RemoteNodeHandle, node_assignment, start_cluster
-from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyPump
-from mpexec.executor.launch import handshake, wait_for_ready
+from mpexec.executor.cluster import (
+    NodeServer,
+    admit_followers,
+    reply_handles_when_ready,
+    start_cluster,
+)
+from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall
+from mpexec.executor.launch import handshake
 from mpexec.executor.launcher import LocalProcessLauncher, WorkerHandle
 from mpexec.executor.lifecycle import Lifecycle, State
-from mpexec.executor.protocol import Reply, decode_replies
+from mpexec.executor.node_handle import RemoteNodeHandle
+from mpexec.executor.protocol import Reply, aggregate_replies, decode_replies
+from mpexec.executor.pump import ReplyPump
 from mpexec.executor.ranks import global_start_rank
 from mpexec.executor.replies import ReplyRouter
-from mpexec.executor.spec import PortReservation, WorkerSpec, worker_contexts
+from mpexec.executor.spec import PortReservation, spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import KVOutputAggregator
-from mpexec.system import get_mp_context, maybe_force_spawn, thread_vars
+from mpexec.system import get_mp_context, maybe_force_spawn
 
 # How long one enqueue attempt may wait for ring space before the driver
 # drains replies and tries again (see the module docstring).
@@ -171,21 +177,7 @@ class MultiprocExecutor(Executor):
         contexts = worker_contexts(config, life.port.init_method, self.shared_worker_lock)
         launcher = LocalProcessLauncher(context)
         handle = mq.export_handle()
-        # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
-        # when that thread lives as long as the process.
-        main_thread = threading.current_thread() is threading.main_thread()
-        for ctx in contexts:
-            threads = config.omp_threads_for(ctx.local_rank)
-            if threads is None and config.device_type == "cpu":
-                env: dict[str, str] = {}  # CPU workers left to the user's environment
-            else:
-                env = thread_vars(threads, os.environ)
-
-            cpus = config.cpus_for(ctx.local_rank)
-            spec_for = partial(
-                WorkerSpec, context=ctx, broadcast_handle=handle, driver_pid=os.getpid(),
-                parent_death_signal=main_thread, trace=config.trace,
-                cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env)
+        for spec_for in spec_factories(config, contexts, handle):
             life.handles.append(launcher.start(spec_for))
         # Every worker exists before we wait for any: a real worker's
         # init_device joins a collective with all of its peers (followers'
@@ -193,15 +185,10 @@ class MultiprocExecutor(Executor):
         local_handles = list(life.handles)
         cluster = self.cluster
         if cluster is not None:
-            for node in cluster.nodes.values():
-                life.handles.append(node)  # a WorkerHandle too
-                self._remote_handles.update(dict.fromkeys(node.ranks, node))
-            cluster.admit(partial(node_assignment, config, handle, life.port.init_method),
-                          deadline, config.startup_timeout_s)
-        ready = wait_for_ready(local_handles, deadline, config.startup_timeout_s)
-        reply_handles = {message.rank: message.reply_handle for message in ready}
-        if cluster is not None:
-            reply_handles.update(cluster.collect(deadline, config.startup_timeout_s))
+            self._remote_handles = admit_followers(cluster, life.handles, config, handle,
+                                                   life.port.init_method, deadline)
+        reply_handles = reply_handles_when_ready(local_handles, cluster, deadline,
+                                                 config.startup_timeout_s)
         for rank in range(self._start_rank, self._start_rank + self.world_size):
             # Remote ranks' reply queues are read over the network (the
             # seed's peer_worker_response_mqs); local ones through shared memory.
@@ -211,9 +198,8 @@ class MultiprocExecutor(Executor):
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
-        if cluster is not None:
-            cluster.start()
-        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s)
+        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s,
+                  None if cluster is None else cluster.lost_during_start)
 
     # -- health ---------------------------------------------------------------------
 
@@ -310,7 +296,8 @@ class MultiprocExecutor(Executor):
             output_rank = unique_reply_rank
             ranks = self._all_ranks if output_rank is None else (output_rank,)
         if aggregator is not None:
-            finish: Finish = partial(_aggregate, aggregator, unique_reply_rank or 0, self._pid_of)
+            finish: Finish = partial(aggregate_replies, aggregator, unique_reply_rank or 0,
+                                     self._pid_of)
         elif unique_reply_rank is None:
             finish = self._finish_list
         else:
@@ -407,12 +394,6 @@ class MultiprocExecutor(Executor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True
-
-
-def _aggregate(aggregator: KVOutputAggregator, output_rank: int, pid_of: Callable[[int], int],
-               method: str, replies: dict[int, Reply]) -> Any:
-    """Every worker's reply merged by the KV output aggregator."""
-    return aggregator.aggregate(decode_replies(method, replies, False, pid_of), output_rank)
 
 
 __all__ = ["MultiprocExecutor", "WorkerStartupError"]

@@ -7,6 +7,9 @@ local workers with their global ranks (``global_start_rank``), tells the
 leader where their reply queues are, and then only watches::
 
     join (JOIN -> CONFIG)  ->  start local workers  ->  READY  ->  watch loop
+    from JOIN on (start-up too): PING the leader every node_heartbeat_s;
+                               leader silent > timeout  -> end (1); BYE -> end (0)
+    start-up fails:            FAILED(what, the worker's traceback, rank), end
     watch loop, every poll:    PING the leader every node_heartbeat_s
                                a worker died            -> FAILED to the leader, end (1)
                                BYE from the leader      -> end, BYE back (0)
@@ -23,12 +26,10 @@ follower process is killed (parent-death signal, death pipe).
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import secrets
 import threading
 import time
-from functools import partial
 from typing import Any
 
 from mpexec.config import ExecutorConfig
@@ -37,7 +38,7 @@ from mpexec.executor.launch import wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher
 from mpexec.executor.lifecycle import Lifecycle
 from mpexec.executor.nodewire import NONCE, NodeAssignment, Session, endpoint, join_auth
-from mpexec.executor.spec import WorkerSpec, worker_contexts
+from mpexec.executor.spec import spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc.auth import (
     BYE,
@@ -51,7 +52,7 @@ from mpexec.ipc.auth import (
     is_refusal,
 )
 from mpexec.ipc.curve import secure
-from mpexec.system import get_mp_context, maybe_force_spawn, thread_vars
+from mpexec.system import get_mp_context, maybe_force_spawn
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +182,24 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
         try:
             _start_workers(life, config, assignment, secret, bind_addr)
             deadline = time.monotonic() + config.startup_timeout_s
-            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s)
+            # The heartbeat runs during start-up too: the leader would call
+            # this node lost after node_timeout_s, however long loading takes.
+            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s,
+                                   tick=_StartupBeat(client, config, stop), tick_s=_POLL_S)
         except WorkerStartupError as exc:
-            client.send(FAILED, [str(exc).encode()])
+            rank = "" if exc.rank is None else str(exc.rank)
+            client.send(FAILED, [exc.args[0].encode(), exc.remote_traceback.encode(),
+                                 rank.encode()])
             raise
+        except _LeaderEnded:
+            logger.info("node %d: the leader ended the executor during start-up",
+                        client.node_rank)
+            life.close()
+            client.send(BYE, [])
+            return 0
+        except _LeaderLost as exc:
+            logger.error("node %d: %s; ending this node", client.node_rank, exc)
+            return 1
         client.send(READY, [pickle.dumps({m.rank: m.reply_handle for m in ready})])
         logger.info("node %d: ranks %s ready", client.node_rank,
                     [h.rank for h in life.handles])
@@ -193,21 +208,48 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
         life.close()
 
 
+class _LeaderEnded(Exception):
+    """BYE from the leader (or ``stop``) while the workers were starting."""
+
+
+class _LeaderLost(Exception):
+    """The leader fell silent while the workers were starting."""
+
+
+class _StartupBeat:
+    """The watch loop's heartbeat, as a ``wait_for_ready`` tick (start-up)."""
+
+    def __init__(self, client: NodeClient, config: ExecutorConfig,
+                 stop: threading.Event) -> None:
+        self.client = client
+        self.config = config
+        self.stop = stop
+        self.next_ping = 0.0
+
+    def __call__(self) -> None:
+        client = self.client
+        now = time.monotonic()
+        if now >= self.next_ping:
+            self.next_ping = now + self.config.node_heartbeat_s
+            client.send(PING, [])
+        while (kind := client.poll(0)) is not None:
+            if kind == BYE:
+                raise _LeaderEnded
+        if self.stop.is_set():
+            raise _LeaderEnded
+        silent = time.monotonic() - client.last_heard
+        if silent > self.config.node_timeout_s:
+            raise _LeaderLost(f"the leader at {client.address} is gone (no heartbeat for "
+                              f"{silent:.1f} s)")
+
+
 def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
                    secret: str, bind_addr: str) -> None:
     context = get_mp_context(maybe_force_spawn(config.mp_start_method))
     launcher = LocalProcessLauncher(context)
-    main_thread = threading.current_thread() is threading.main_thread()
-    for ctx in worker_contexts(config, assignment.distributed_init_method):
-        threads = config.omp_threads_for(ctx.local_rank)
-        env = {} if threads is None and config.device_type == "cpu" else thread_vars(
-            threads, os.environ)
-        cpus = config.cpus_for(ctx.local_rank)
-        spec_for = partial(
-            WorkerSpec, context=ctx, broadcast_handle=assignment.broadcast_handle,
-            driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
-            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env,
-            reply_connect_ip=bind_addr, cluster_secret=secret)
+    contexts = worker_contexts(config, assignment.distributed_init_method)
+    for spec_for in spec_factories(config, contexts, assignment.broadcast_handle,
+                                   reply_connect_ip=bind_addr, cluster_secret=secret):
         life.handles.append(launcher.start(spec_for))
 
 

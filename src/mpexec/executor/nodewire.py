@@ -12,9 +12,12 @@
                                                    broadcast handle, init method
                                                    start the local workers
                           <------- READY(R, reply handles of its ranks)
-                          <------- FAILED(R, text)      a local worker failed or died
+                          <------- FAILED(R, text[, traceback, rank])
+                                                   a local worker failed or died
     PING every node_heartbeat_s  <--------->       PING every node_heartbeat_s
+    (from JOIN on: start-up included)              (from CONFIG on: start-up included)
     silent > node_timeout_s: node lost             leader silent > node_timeout_s: end
+    (during start-up: WorkerStartupError)
     BYE (shutdown) ------------------------>       end the workers
                           <------- BYE             then exit
 

@@ -41,6 +41,7 @@ import cloudpickle
 
 from mpexec.errors import WorkerError
 from mpexec.ipc import Handle
+from mpexec.outputs import KVOutputAggregator
 
 Call = tuple[int, "str | bytes", tuple[Any, ...], dict[str, Any], "int | None"]
 Reply = tuple[int, bool, Any]
@@ -131,3 +132,10 @@ def decode_replies(method: str, replies: dict[int, Reply], single: bool,
     if single:
         return next(iter(replies.values()))[2]
     return [reply[2] for reply in replies.values()]
+
+
+def aggregate_replies(aggregator: KVOutputAggregator, output_rank: int,
+                      pid_of: Callable[[int], int], method: str,
+                      replies: dict[int, Reply]) -> Any:
+    """Every worker's reply merged by the KV output aggregator."""
+    return aggregator.aggregate(decode_replies(method, replies, False, pid_of), output_rank)

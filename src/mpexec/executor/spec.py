@@ -17,9 +17,12 @@ way.
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,6 +30,7 @@ from mpexec.config import ExecutorConfig
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.ranks import global_start_rank, is_driver_worker
 from mpexec.ipc import Handle
+from mpexec.system import thread_vars
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class WorkerSpec:
     # from this address, and cross-host frames use this secret.
     reply_connect_ip: str | None = None
     cluster_secret: str | None = field(default=None, repr=False)
+    # A worker forked from the fork server inherits the server's environment,
+    # not the driver's: the driver's (thread_env included) travels here.
+    environ: Mapping[str, str] | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -89,6 +96,28 @@ def worker_contexts(config: ExecutorConfig, distributed_init_method: str,
             shared_worker_lock=shared_worker_lock,
         ))
     return contexts
+
+
+def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
+                   broadcast_handle: Handle, **extra: Any) -> list[partial[WorkerSpec]]:
+    """One ``WorkerSpec`` factory per context, for ``WorkerLauncher.start``
+    (the launcher adds the pipes); ``extra`` are further ``WorkerSpec`` fields."""
+    # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
+    # when that thread lives as long as the process.
+    main_thread = threading.current_thread() is threading.main_thread()
+    factories = []
+    for ctx in contexts:
+        threads = config.omp_threads_for(ctx.local_rank)
+        if threads is None and config.device_type == "cpu":
+            env: dict[str, str] = {}  # CPU workers left to the user's environment
+        else:
+            env = thread_vars(threads, os.environ)
+        cpus = config.cpus_for(ctx.local_rank)
+        factories.append(partial(
+            WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
+            driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
+            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env, **extra))
+    return factories
 
 
 class PortReservation:

@@ -246,6 +246,9 @@ def _report_startup_failure(ready_writer: Connection, rank: int, exc: BaseExcept
 
 
 def _prepare_process(spec: WorkerSpec) -> None:
+    if spec.environ is not None:  # forked from the fork server: the driver's environment
+        os.environ.clear()
+        os.environ.update(spec.environ)
     become_group_leader()
     armed = spec.parent_death_signal and set_parent_death_signal(signal.SIGTERM,
                                                                  spec.driver_pid)

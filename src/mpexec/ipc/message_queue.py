@@ -96,6 +96,10 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_SPIN_S = 0.001
 DEFAULT_TICK_S = 0.05
 DEFAULT_LOG_INTERVAL_S = 60.0
+# create_from_process_group: how long every rank of the group may take to
+# attach.  The ranks arrive together (it is collective), so minutes mean one
+# of them died or never got there.
+GROUP_READY_TIMEOUT_S = 300.0
 _CLOSE_GRACE_S = 2.0
 
 
@@ -189,7 +193,8 @@ class MessageQueue(QueueEnd):
     def create_from_process_group(
         cls, group: ProcessGroup, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS, writer_rank: int = 0, *,
-        name: str = "group", timeout: float | None = None, spin_s: float = DEFAULT_SPIN_S,
+        name: str = "group", timeout: float | None = GROUP_READY_TIMEOUT_S,
+        spin_s: float = DEFAULT_SPIN_S,
     ) -> MessageQueue:
         """A queue from ``writer_rank`` to every other rank of ``group`` (one node).
 
@@ -201,6 +206,11 @@ class MessageQueue(QueueEnd):
         handle, the others attach as readers, and all wait until ready (that
         handshake is the barrier).  Returns the writer on ``writer_rank`` and a
         reader elsewhere.
+
+        ``timeout`` bounds that handshake (``GROUP_READY_TIMEOUT_S``, 300 s, by
+        default; ``None`` waits forever): past it the writer raises
+        ``TimeoutError`` naming the ranks that never attached (one died, or
+        never called this), and a reader one saying the writer did not finish.
         """
         world, rank = int(group.world_size), int(group.rank_in_group)
         if world < 2:
@@ -214,7 +224,14 @@ class MessageQueue(QueueEnd):
                                  name=name, spin_s=spin_s)
             try:
                 group.broadcast_object(queue.export_handle(), src=writer_rank)
-                queue.wait_until_ready(timeout)
+                try:
+                    queue.wait_until_ready(timeout)
+                except TimeoutError as exc:
+                    missing: list[int] = getattr(queue, "unattached_ranks", list)()
+                    raise TimeoutError(
+                        f"queue {name!r} over the group: rank(s) {missing} did not attach "
+                        f"within {timeout:g}s (each rank of the group must call "
+                        "create_from_process_group; one may have died)") from exc
             except BaseException:
                 queue.shutdown()
                 raise
@@ -222,7 +239,13 @@ class MessageQueue(QueueEnd):
             handle = group.broadcast_object(None, src=writer_rank)
             queue = MessageQueue.create_from_handle(handle, rank, spin_s=spin_s)
             try:
-                queue.wait_until_ready(timeout)
+                try:
+                    queue.wait_until_ready(timeout)
+                except TimeoutError as exc:
+                    raise TimeoutError(
+                        f"queue {name!r} over the group, rank {rank}: the writer (rank "
+                        f"{writer_rank}) did not finish the handshake within {timeout:g}s "
+                        "(another rank did not attach, or the writer died)") from exc
             except BaseException:
                 queue.shutdown()
                 raise

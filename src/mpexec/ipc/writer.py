@@ -95,6 +95,12 @@ class MessageQueueWriter(MessageQueue):
         self._token = token
         self._bulk = BulkWriter(name, self._bulk_released)
 
+    def unattached_ranks(self) -> list[int]:
+        """The local reader ranks that have not attached yet (for a clear error)."""
+        cells = self._cells
+        return [rank for index, rank in enumerate(self.local_reader_ranks)
+                if cells[self._layout.reader_cell(index, layout.STATE)] != layout.STATE_ATTACHED]
+
     def export_handle(self) -> Handle:
         return Handle(
             local_reader_ranks=list(self.local_reader_ranks),

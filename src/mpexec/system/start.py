@@ -1,4 +1,31 @@
-"""Choosing how workers start: the start method, and when fork is unsafe."""
+"""Choosing how workers start: the start method, and when fork is unsafe.
+
+``fork`` is the default because it is fast: the worker inherits everything
+the driver imported.  It is unsafe in two cases, and each has its own way
+out (``maybe_force_spawn``)::
+
+    CUDA initialised here            -> spawn, always (a forked child would
+                                        inherit a CUDA context it cannot use)
+    other threads running here       -> forkserver: a server process started
+                                        by exec (single-threaded, whatever
+                                        runs here) with mpexec's worker
+                                        modules preloaded forks each worker
+    neither                          -> fork
+
+Why not fork with threads: a lock another thread holds at the moment of the
+fork (inside libzmq, OpenMP, a logging handler) stays held forever in the
+child.  The fork server never has those threads, so forking *it* is safe,
+and it starts once per driver process: later workers and later executors
+cost a fork, not an interpreter start and mpexec's imports.  When the driver
+has imported torch, the server imports it too (a worker would import it
+anyway; for a model worker that import is most of its start).  That is safe
+to fork from: importing torch initialises no CUDA and starts no thread pool
+of torch's own; the one thread it brings is OpenBLAS's (through numpy),
+which shuts its pool down in a ``pthread_atfork`` handler before each fork -
+the same reason PyTorch's DataLoader may fork after ``import torch``.  The
+worker's own module is never preloaded: it is the user's code, and may
+start threads at import.
+"""
 
 from __future__ import annotations
 
@@ -28,37 +55,78 @@ def get_mp_context(method: str | None = None) -> multiprocessing.context.BaseCon
     return multiprocessing.get_context(method)
 
 
-def maybe_force_spawn(method: str) -> str:
-    """Return ``"spawn"`` where ``"fork"`` would be unsafe, else ``method``.
+# What the fork server imports once, so that a worker forked from it starts
+# with the worker entry point (and the queues, the executor's protocol)
+# already loaded.  None of these starts a thread at import.
+FORKSERVER_PRELOAD = ("mpexec.executor.worker_proc",)
 
-    Forking is unsafe once this process has initialised CUDA (the child
-    inherits a CUDA context it cannot use) or runs more than one thread (a
-    lock held by another thread at fork time stays locked in the child
-    forever).  The reason is logged at WARNING.
+_told_forkserver = False
+
+
+def maybe_force_spawn(method: str) -> str:
+    """The start method to use for ``method``: ``"fork"`` only where it is safe.
+
+    ``"fork"`` becomes ``"spawn"`` once this process has initialised CUDA,
+    and ``"forkserver"`` while other threads run (see the module docstring);
+    other methods are returned as they are.  Whenever the answer is
+    ``"forkserver"``, ``prepare_forkserver`` has been applied.  The switch
+    to spawn is logged at WARNING; the one to the fork server, which costs
+    little, once at INFO and then at DEBUG.
     """
+    global _told_forkserver
+    if method == "forkserver":
+        prepare_forkserver()
     if method != "fork":
         return method
-    reason = _fork_hazard()
-    if reason is None:
-        return method
-    logger.warning("Using start method 'spawn' instead of 'fork': %s.", reason)
-    return "spawn"
-
-
-def _fork_hazard() -> str | None:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            cuda_ready = bool(torch.cuda.is_initialized())
-        except Exception:  # a half-imported or stubbed torch: no CUDA to worry about
-            cuda_ready = False
-        if cuda_ready:
-            return "CUDA is already initialised in this process"
+    if _cuda_initialised():
+        logger.warning("Using start method 'spawn' instead of 'fork': CUDA is already "
+                       "initialised in this process.")
+        return "spawn"
     threads = running_thread_count()
-    if threads > 1:
-        names = ", ".join(t.name for t in threading.enumerate())
-        return f"{threads} threads are running (Python threads: {names})"
-    return None
+    if threads <= 1 or "forkserver" not in multiprocessing.get_all_start_methods():
+        if threads > 1:
+            logger.warning("Using start method 'spawn' instead of 'fork': %s.",
+                           _threads_running(threads))
+            return "spawn"
+        return method
+    prepare_forkserver()
+    level = logging.DEBUG if _told_forkserver else logging.INFO
+    _told_forkserver = True
+    logger.log(level, "Using start method 'forkserver' instead of 'fork': %s.",
+               _threads_running(threads))
+    return "forkserver"
+
+
+def prepare_forkserver() -> None:
+    """Preload ``FORKSERVER_PRELOAD`` (and torch, if imported here) in the fork
+    server, if it has not started yet.
+
+    ``multiprocessing`` starts the server on the first forkserver start;
+    the preload list only counts until then.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        torch = ["torch"] if "torch" in sys.modules else []
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            # __main__ first: multiprocessing's own default
+            ["__main__", *FORKSERVER_PRELOAD, *torch])
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # a half-imported or stubbed torch: no CUDA to worry about
+        return False
+
+
+def _threads_running(threads: int) -> str:
+    names = ", ".join(t.name for t in threading.enumerate())
+    return f"{threads} threads are running (Python threads: {names})"
 
 
 def running_thread_count() -> int:

@@ -1,0 +1,108 @@
+"""A follower node as one of the leader's worker handles (see ``cluster``).
+
+The lifecycle and the failure table talk to workers only through the
+``WorkerHandle`` protocol (``launcher``); a follower node answers it for all
+of its ranks at once.  Its death descriptor is a pipe that becomes readable
+when the node is lost (``lost``: silent for ``node_timeout_s``, or it
+reported a failed worker); ending it (``terminate``, ``close_death_pipe``)
+asks the node server to say BYE.  It has no pid and no exit code here: the
+node's processes are on another machine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from mpexec.ipc import Handle
+
+if TYPE_CHECKING:
+    from mpexec.executor.cluster import NodeServer
+    from mpexec.executor.nodewire import Session
+
+
+class RemoteNodeHandle:
+    """A follower node, as one entry among the lifecycle's worker handles."""
+
+    def __init__(self, server: NodeServer, node_rank: int, ranks: range) -> None:
+        self.server = server
+        self.node_rank = node_rank
+        self.ranks = ranks
+        self.rank = ranks.start
+        self.identity: bytes | None = None
+        self.session: Session | None = None
+        self.reply_handles: dict[int, Handle] = {}
+        self.last_heard = time.monotonic()
+        self.how = ""
+        self.remote_traceback = ""  # of the worker whose failure the node reported
+        self.failed_rank: int | None = None  # and its rank
+        self.gone = threading.Event()
+        self.bye_requested = False
+        self._death_r, self._death_w = os.pipe()
+
+    @property
+    def name(self) -> str:
+        return f"node {self.node_rank} (ranks {self.ranks.start}-{self.ranks.stop - 1})"
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    @property
+    def ready_conn(self) -> None:
+        return None
+
+    @property
+    def death_fd(self) -> int:
+        return self._death_r
+
+    def lost(self, how: str) -> None:
+        if self.gone.is_set():
+            return
+        self.how = f"{self.name} {how}"
+        self.gone.set()
+        if self._death_w >= 0:
+            os.write(self._death_w, b"x")
+
+    def is_alive(self) -> bool:
+        return not self.gone.is_set()
+
+    def terminate(self) -> None:
+        self.server.request_bye(self)
+
+    def kill(self) -> None:
+        self.server.request_bye(self)
+
+    def join(self, timeout: float | None) -> None:
+        self.gone.wait(timeout)
+
+    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
+        return None
+
+    def describe_exit(self) -> str:
+        return self.how or f"{self.name} ended"
+
+    def close_ready(self) -> None:
+        pass
+
+    def close_death_pipe(self) -> None:
+        self.server.request_bye(self)
+
+    def end_group(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for fd in (self._death_r, self._death_w):
+            if fd >= 0:
+                os.close(fd)
+        self._death_r = self._death_w = -1
+        self.server.release(self)
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"

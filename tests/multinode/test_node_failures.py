@@ -1,0 +1,208 @@
+"""Failures across nodes: a follower killed or stopped at each phase, a
+follower whose worker fails start-up, a stopped leader.  Two process trees
+on 127.0.0.1: the leader here, a follower in a session of its own.
+
+Promptness is shown by the error beating a much longer deadline: the call
+sleeps 60 s, start-up may take 60 s, and the node timeout is 2 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from mpexec.errors import WorkerDiedError, WorkerStartupError
+from mpexec.executor import MultiprocExecutor
+from tests.multinode.nodes import free_port, kill_tree, signal_tree, start_follower, tree_of
+from tests.multinode.test_two_nodes import _wait_gone, assert_port_free, two_node_config
+
+HANG_RANK_2 = {"fail_at": "init:hang", "fail_rank": 2}  # the follower never gets READY
+
+
+@pytest.fixture
+def follower_port() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    follower = start_follower(port)
+    try:
+        yield follower, port
+    finally:
+        signal_tree(follower.pid, signal.SIGCONT)
+        kill_tree(follower.pid)
+        follower.wait(10)
+        assert follower.stdout is not None
+        follower.stdout.close()
+
+
+def _when_workers_started(follower: subprocess.Popen[bytes], then: int) -> threading.Thread:
+    """A thread that sends ``then`` to the follower's tree once it started its
+    workers (so it has joined), twice: the second catches late children."""
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while len(tree_of(follower.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        signal_tree(follower.pid, then)
+        time.sleep(0.1)
+        signal_tree(follower.pid, then)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_follower_lost_after_join_fails_the_start_within_the_node_timeout(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
+        how: signal.Signals) -> None:
+    follower, port = follower_port
+    watcher = _when_workers_started(follower, how)
+    with pytest.raises(WorkerStartupError, match=r"node 1 \(ranks 2-3\) lost: no heartbeat"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0,
+                                          worker_kwargs=HANG_RANK_2))
+    watcher.join(10)
+    assert_port_free(port)  # the node channel is closed
+    if how == signal.SIGSTOP:
+        tree = signal_tree(follower.pid, signal.SIGCONT)
+        # Woken, it finds the leader gone and ends, its workers with it.
+        assert follower.wait(30) == 1
+        assert _wait_gone(tree, 30) == set()
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_worker_failing_start_up_sends_its_traceback(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int]) -> None:
+    follower, port = follower_port
+    with pytest.raises(WorkerStartupError, match=r"node 1 \(ranks 2-3\) reported: worker "
+                       r"rank 3 .*failed during start-up with RuntimeError") as info:
+        MultiprocExecutor(two_node_config(port, worker_kwargs={"fail_at": "init:raise",
+                                                               "fail_rank": 3}))
+    assert info.value.rank == 3
+    assert "boom in init on rank 3" in info.value.remote_traceback
+    assert "_maybe_fail" in info.value.remote_traceback  # the worker's own frames
+    assert "Worker traceback (rank 3)" in str(info.value)
+    assert follower.wait(30) == 1
+    assert_port_free(port)
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_follower_fails_the_calls_in_flight_and_is_cleaned_up(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int]) -> None:
+    follower, port = follower_port
+    failures: list[int] = []
+    executor = MultiprocExecutor(two_node_config(port))
+    try:
+        executor.register_failure_callback(lambda: failures.append(1))
+        errors: list[BaseException] = []
+
+        def stream() -> None:  # calls back to back until one fails
+            try:
+                while True:
+                    executor.collective_rpc("add", args=(1,), timeout=60)
+            except BaseException as exc:
+                errors.append(exc)
+
+        caller = threading.Thread(target=stream)
+        caller.start()
+        pending = executor.collective_rpc("sleep", args=(60,), non_block=True)
+        time.sleep(0.3)
+        tree = signal_tree(follower.pid, signal.SIGSTOP)
+        with pytest.raises(WorkerDiedError, match=r"node 1 \(ranks 2-3\) lost"):
+            pending.result(30)  # well before the call's 60 s
+        caller.join(30)
+        assert not caller.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError)
+        assert "node 1" in str(errors[0])
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert failures == [1]
+    finally:
+        executor.shutdown()
+    assert_port_free(port)
+    # The stopped tree, continued, finds the leader gone and ends on its own.
+    signal_tree(follower.pid, signal.SIGCONT)
+    assert follower.wait(30) == 1
+    assert _wait_gone(tree, 30) == set()
+
+
+_LEADER = """
+import sys, time
+from mpexec.executor import MultiprocExecutor
+from tests.multinode.test_two_nodes import two_node_config
+if __name__ == "__main__":
+    ex = MultiprocExecutor(two_node_config(int(sys.argv[1])))
+    ex.collective_rpc("whoami")
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_followers_leave_when_the_leader_is_stopped(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
+        tmp_path: Path) -> None:
+    follower, port = follower_port
+    script = tmp_path / "leader.py"
+    script.write_text(_LEADER)
+    leader = subprocess.Popen([sys.executable, str(script), str(port)], start_new_session=True,
+                              stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert leader.stdout is not None
+        assert leader.stdout.readline().strip() == b"READY"
+        follower_tree = tree_of(follower.pid)
+        leader_tree = signal_tree(leader.pid, signal.SIGSTOP)
+        assert _wait_gone(follower_tree, 30) == set()  # well within 30 s
+        assert follower.wait(10) == 1
+        kill_tree(leader.pid)  # SIGKILL ends stopped processes too
+        assert _wait_gone(leader_tree, 30) == set()
+        assert_port_free(port)  # a killed leader leaves no port bound
+    finally:
+        kill_tree(leader.pid)
+        leader.wait(10)
+        if leader.stdout is not None:
+            leader.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_worker_failing_start_up_is_not_kept_waiting_for_followers(
+        leak_check: None) -> None:
+    port = free_port()  # no follower ever comes
+    with pytest.raises(WorkerStartupError, match=r"worker rank 0 .*failed during start-up"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0, worker_kwargs={
+            "fail_at": "init:raise", "fail_rank": 0}))
+    assert_port_free(port)
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_stopped_during_the_queue_handshake_fails_the_start(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.executor.cluster import NodeServer
+
+    follower, port = follower_port
+    collect = NodeServer.collect
+
+    def collect_then_stop(self: NodeServer, deadline: float, timeout_s: float) -> Any:
+        handles = collect(self, deadline, timeout_s)
+        signal_tree(follower.pid, signal.SIGSTOP)  # READY came; the handshake has not
+        return handles
+
+    monkeypatch.setattr(NodeServer, "collect", collect_then_stop)
+    with pytest.raises(WorkerStartupError, match=r"node 1 \(ranks 2-3\) lost: no heartbeat"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=60.0))
+    assert_port_free(port)
+    tree = signal_tree(follower.pid, signal.SIGCONT)
+    assert follower.wait(30) == 1
+    assert _wait_gone(tree, 30) == set()
