@@ -256,10 +256,6 @@ def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssi
 def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
            stop: threading.Event) -> int:
     next_ping = 0.0
-    # The leader's heartbeats start once every node reported READY, and its
-    # own workers may still be starting (a model worker imports torch): until
-    # the first frame after our READY, allow what start-up may take.
-    ready_sent = time.monotonic()
     while True:
         now = time.monotonic()
         if now >= next_ping:
@@ -277,9 +273,10 @@ def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
         if stop.is_set():
             client.send(BYE, [])
             return 0
-        heard = client.last_heard >= ready_sent
-        silent = now - client.last_heard if heard else now - ready_sent
-        if silent > (config.node_timeout_s if heard else config.startup_timeout_s):
+        # The leader's monitor heartbeats from our JOIN on, also while its
+        # own workers are still starting, so silence means it is gone.
+        silent = now - client.last_heard
+        if silent > config.node_timeout_s:
             logger.error("node %d: the leader at %s is gone (no heartbeat for %.1f s); "
                          "ending this node", client.node_rank, client.address, silent)
             return 1
