@@ -125,3 +125,25 @@ def test_the_secret_file_wins_over_the_environment(tmp_path: Any,
                        "master_port": 29500, "cluster_secret": "from-the-file-0123456789"}
     args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
     assert generate.node_options(args, 1, 1) == {}
+
+
+def test_curve_reaches_the_leader_and_the_follower(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.cli import node
+
+    monkeypatch.setenv("MPEXEC_CLUSTER_SECRET", "a-secret-of-enough-bytes")
+    flags = ["generate", "--prompt", "x", "--tp", "2", "--nnodes", "2", "--master-port",
+             "29500"]
+    plain = generate.node_options(cli.build_parser().parse_args(flags), 2, 1)
+    assert "cluster_curve" not in plain  # MPEXEC_CLUSTER_CURVE decides
+    curved = generate.node_options(cli.build_parser().parse_args([*flags, "--curve"]), 2, 1)
+    assert curved["cluster_curve"] is True
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr("mpexec.executor.node.run_follower",
+                        lambda *a, **kw: seen.update(kw) or 0)
+    follower = ["node", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                "--master-port", "29500"]
+    assert node.run(cli.build_parser().parse_args([*follower, "--curve"])) == 0
+    assert seen["curve"] is True
+    assert node.run(cli.build_parser().parse_args(follower)) == 0
+    assert seen["curve"] is None  # MPEXEC_CLUSTER_CURVE decides

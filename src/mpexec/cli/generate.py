@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the port the followers dial (needed with --nnodes > 1)")
     nodes.add_argument("--secret-file", type=Path, default=None,
                        help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
+    nodes.add_argument("--curve", action="store_true", default=None,
+                       help="encrypt the traffic between nodes (ZeroMQ CURVE; else "
+                       "MPEXEC_CLUSTER_CURVE); every follower needs it too")
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -115,8 +118,11 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
                          "MPEXEC_CLUSTER_SECRET or give --secret-file")
     if len(secret.encode()) < 16:
         raise UsageError("the cluster secret must be at least 16 bytes")
-    return {"nnodes": nnodes, "node_rank": 0, "master_addr": addr, "master_port": port,
-            "cluster_secret": secret}
+    options = {"nnodes": nnodes, "node_rank": 0, "master_addr": addr, "master_port": port,
+               "cluster_secret": secret}
+    if getattr(args, "curve", None):
+        options["cluster_curve"] = True
+    return options
 
 
 def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:

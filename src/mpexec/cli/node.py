@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "node_bind_addr, loopback unless configured)")
     parser.add_argument("--secret-file", type=Path, default=None,
                         help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
+    parser.add_argument("--curve", action="store_true", default=None,
+                        help="encrypt the traffic between nodes (ZeroMQ CURVE; else "
+                        "MPEXEC_CLUSTER_CURVE); must match the leader")
     parser.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the leader (300)")
 
@@ -41,6 +44,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_follower(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                             secret=secret, bind_addr=args.bind_addr,
-                            join_timeout_s=args.join_timeout)
+                            join_timeout_s=args.join_timeout, curve=args.curve)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
