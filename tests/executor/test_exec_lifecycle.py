@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from tests.executor.conftest import make_config
+from tests.python_child import run_python
 
 from mpexec.errors import QueueClosedError, WorkerDiedError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
@@ -71,6 +72,33 @@ def test_startup_failure(fail_at: str, match: str, traceback: str | None, method
     if traceback is not None:
         assert traceback in info.value.remote_traceback
         assert traceback in str(info.value)
+
+
+_ONE_RANK_FAILS = """
+import sys
+sys.path.insert(0, {root!r})
+from mpexec.config import ExecutorConfig, ParallelConfig
+from mpexec.errors import WorkerStartupError
+from mpexec.executor.multiproc import MultiprocExecutor
+config = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
+                        parallel=ParallelConfig(tensor_parallel_size=4),
+                        worker_kwargs={{"fail_at": {fail_at!r}, "fail_rank": 2}})
+try:
+    MultiprocExecutor(config)
+except WorkerStartupError as exc:
+    print("raised", exc.rank)
+"""
+
+
+@pytest.mark.parametrize("fail_at", ["init:raise", "load_model:raise"])
+def test_only_the_failing_rank_logs_an_error_at_start_up(fail_at: str) -> None:
+    # The other ranks see the driver give up (a closed queue, a released
+    # mapping, a broken ready pipe): that is logged at INFO, not as a second
+    # ERROR with a traceback that hides the real one.
+    child = run_python("-c", _ONE_RANK_FAILS.format(root=str(ROOT), fail_at=fail_at))
+    assert "raised 2" in child.stdout, child.stderr
+    errors = [line for line in child.stderr.splitlines() if " ERROR " in f" {line}"]
+    assert len(errors) == 1 and "failed to start" in errors[0], child.stderr
 
 
 @pytest.mark.parametrize("method", START_METHODS)

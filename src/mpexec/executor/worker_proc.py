@@ -286,7 +286,11 @@ def worker_main(spec: WorkerSpec) -> None:
             worker = WorkerProc(spec, tracer, signalled)
         assert worker.rpc_broadcast_mq is not None and worker.worker_response_mq is not None
         watcher.watch([worker.rpc_broadcast_mq, worker.worker_response_mq])
-        ready_writer.send(Ready(rank, worker.worker_response_mq.export_handle()))
+        try:
+            ready_writer.send(Ready(rank, worker.worker_response_mq.export_handle()))
+        except BrokenPipeError as exc:
+            raise QueueClosedError("the driver stopped waiting for this worker's "
+                                   "start-up") from exc
         # Keep this order in step with the driver: it waits on the broadcast
         # queue first, then on each reply queue in rank order.  Waiting on our
         # reply queue first would leave the driver stuck on the broadcast
@@ -298,14 +302,21 @@ def worker_main(spec: WorkerSpec) -> None:
         reported = True
         worker.worker_busy_loop()
     except Exception as exc:
+        # The driver shut the broadcast queue, closed the death pipe or died:
+        # what failed here is a consequence (a QueueClosedError, or a
+        # ValueError from a mapping the watcher released under us), not news.
+        ended_by_driver = signalled.is_set() or watcher.stopping.is_set() or isinstance(
+            exc, QueueClosedError)
         if not reported:
-            logger.exception("WorkerProc failed to start.")
+            if ended_by_driver:
+                # Another rank failed its start and the driver gave up on all.
+                logger.info("WorkerProc start-up abandoned by the driver: %s", exc)
+            else:
+                logger.exception("WorkerProc failed to start.")
             _report_startup_failure(ready_writer, rank, exc)
             failed = True
-        elif signalled.is_set() or watcher.stopping.is_set() or isinstance(
-                exc, QueueClosedError):
-            # The driver shut the broadcast queue, closed the death pipe or
-            # died: the orderly end.
+        elif ended_by_driver:
+            # The orderly end.
             logger.debug("WorkerProc shutting down: %s", exc)
         else:
             logger.exception("WorkerProc failed.")
