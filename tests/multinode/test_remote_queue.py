@@ -406,3 +406,20 @@ def test_curve_encrypts_and_a_plaintext_or_wrong_secret_peer_gets_nothing(
     finally:
         for q in (reader, plain, wrong, writer):
             q.shutdown()
+
+
+def test_the_frame_mac_is_plain_hmac_sha256_of_the_header_and_the_part() -> None:
+    # The sealing keeps a keyed OpenSSL state and copies it per frame; the
+    # MAC must still be exactly the documented HMAC-SHA256(key, header || part).
+    import hashlib
+    import hmac
+
+    from mpexec.ipc.auth import HEADER, PREFIX
+
+    key = derive_key(SECRET, "mq/test", "w2r")
+    (frame,) = FrameAuth(key, 4096).seal(DATA, 3, 7, [b"a small message"])
+    header, mac, part = frame[:HEADER.size], frame[HEADER.size:PREFIX], frame[PREFIX:]
+    assert part == b"a small message"
+    assert mac == hmac.new(key, header + part, hashlib.sha256).digest()
+    opened = FrameAuth(key, 4096).open([frame], DropCounter("test"))
+    assert opened is not None and (opened.rank, opened.seq) == (3, 7)
