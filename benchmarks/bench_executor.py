@@ -6,6 +6,9 @@ Prints one table per figure::
         [--only roundtrip,pipelined,future,lifecycle,crashes] [--methods fork,spawn]
     python benchmarks/bench_executor.py --remote [--iters 3000] [--reps 3]   # multi-node
 
+Figure 5 lives in ``executor_crashes.py``; the worker and config all figures
+share in ``executor_common.py``.
+
 1. no-op ``collective_rpc`` round trip with 1, 2, 4 workers (median, p99) next
    to the raw MessageQueue round trip measured in the same run, and their ratio;
 2. pipelined ``non_block`` throughput with N outstanding calls resolving in order;
@@ -24,89 +27,27 @@ session.  Numbers depend on the machine and its load; compare within one run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import textwrap
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = os.environ.get("MPEXEC_SRC", str(ROOT / "src"))
-sys.path.insert(0, SRC)
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from executor_common import (
+    CALL,
+    REPLY,
+    SRC,
+    config,
+    ms,
+    us,
+)
+from executor_crashes import bench_crashes
+from harness import render, summary
 
-from harness import render, summary  # noqa: E402
-
-from mpexec.config import ExecutorConfig, ParallelConfig  # noqa: E402
-from mpexec.executor import MultiprocExecutor, WorkerBase  # noqa: E402
-from mpexec.ipc import MessageQueue  # noqa: E402
-from mpexec.system import process_gone  # noqa: E402
-
-CALL = (1, "noop", (), {}, None)  # the shape of a broadcast call
-REPLY = (1, True, None)           # the shape of its reply
-US = 1e6
-
-
-class NoopWorker(WorkerBase):
-    def noop(self) -> None:
-        return None
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    def fail(self) -> None:
-        raise RuntimeError("benchmark failure")
-
-    def undecodable(self) -> Any:
-        return _OnlyHere()
-
-    def grandchild_and_sleep(self, seconds: float, pid_file: str) -> None:
-        child = subprocess.Popen(["sleep", str(seconds)])
-        with open(f"{pid_file}.{self.rank}", "w") as f:
-            f.write(f"{os.getpid()} {child.pid}\n")
-        time.sleep(seconds)
-
-    def ignore_sigterm_and_block(self) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
-
-
-def _refuse_outside(pid: int) -> Any:
-    if os.getpid() != pid:
-        raise ValueError("cannot be unpickled here")
-    return None
-
-
-class _OnlyHere:
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_refuse_outside, (os.getpid(),))
-
-
-def config(workers: int, **fields: Any) -> ExecutorConfig:
-    return ExecutorConfig(worker_cls=NoopWorker, device_type="cpu",
-                          parallel=ParallelConfig(tensor_parallel_size=workers), **fields)
-
-
-def pids_of(ex: MultiprocExecutor) -> list[int]:
-    return [w.proc.pid for w in ex.workers]  # .proc: the same on older checkouts
-
-
-def us(seconds: float) -> str:
-    return f"{seconds * US:.1f}"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
+from mpexec.executor import MultiprocExecutor
+from mpexec.ipc import MessageQueue
 
 # -- 1. round trip ---------------------------------------------------------------
 
@@ -268,177 +209,6 @@ def bench_lifecycle(reps: int) -> None:
         rows.append([workers, ms(s["median"]), ms(s["max"]), ms(d["median"]), ms(d["max"])])
     print(render(f"4. start-up to READY and shutdown, fork, {reps} reps (ms)",
                  ["workers", "start p50", "start max", "shutdown p50", "shutdown max"], rows))
-
-
-# -- 5. crash cases -----------------------------------------------------------------
-
-def _timed_error(ex: MultiprocExecutor, act: Callable[[], Any],
-                 before: Callable[[], None] | None = None) -> float:
-    """Seconds from ``before`` (or the call) to the caller's exception."""
-    t0 = time.perf_counter()
-    if before is not None:
-        before()
-        t0 = time.perf_counter()
-    try:
-        act()
-    except Exception:
-        return time.perf_counter() - t0
-    raise AssertionError("no error")
-
-
-def _kill_later(pid: int, stamp: list[float], stop_first: bool = False) -> threading.Thread:
-    def run() -> None:
-        time.sleep(0.05)
-        if stop_first:
-            os.kill(pid, signal.SIGSTOP)
-        stamp.append(time.perf_counter())
-        os.kill(pid, signal.SIGKILL)
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
-def crash_raise(method: str) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method)) as ex:
-        return _timed_error(ex, lambda: ex.collective_rpc("fail"))
-
-
-def crash_bad_argument(method: str) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method)) as ex:
-        return _timed_error(ex, lambda: ex.collective_rpc("noop", args=(_OnlyHere(),)))
-
-
-def crash_bad_reply(method: str) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method)) as ex:
-        return _timed_error(ex, lambda: ex.collective_rpc("undecodable"))
-
-
-def crash_timeout(method: str) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method)) as ex:
-        return _timed_error(ex, lambda: ex.collective_rpc("sleep", args=(2.0,), timeout=0.2))
-
-
-def _kill_mid_call(method: str, stop_first: bool) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method, shutdown_grace_s=0.5)) as ex:
-        stamp: list[float] = []
-        killer = _kill_later(pids_of(ex)[1], stamp, stop_first)
-        try:
-            ex.collective_rpc("sleep", args=(30.0,))
-        except Exception:
-            elapsed = time.perf_counter() - stamp[0]
-        killer.join(10)
-        return elapsed
-
-
-def crash_frozen_peer(method: str) -> float:
-    with MultiprocExecutor(config(2, mp_start_method=method, shutdown_grace_s=2.0,
-                                  shutdown_term_s=2.0)) as ex:
-        frozen, victim = pids_of(ex)[1], pids_of(ex)[0]
-        stamp: list[float] = []
-        os.kill(frozen, signal.SIGSTOP)
-        killer = _kill_later(victim, stamp)
-        try:
-            ex.collective_rpc("sleep", args=(30.0,))
-        except Exception:
-            elapsed = time.perf_counter() - stamp[0]
-        killer.join(10)
-        os.kill(frozen, signal.SIGCONT)
-        return elapsed
-
-
-def crash_startup(method: str) -> float:
-    """A worker class that cannot be imported in the worker: its start fails."""
-    t0 = time.perf_counter()
-    try:
-        MultiprocExecutor(ExecutorConfig(worker_cls="no_such_module_for_bench:Worker",
-                                         mp_start_method=method, device_type="cpu",
-                                         parallel=ParallelConfig(tensor_parallel_size=2)))
-    except Exception:
-        return time.perf_counter() - t0
-    raise AssertionError("started")
-
-
-def crash_sigterm_ignored(method: str) -> float:
-    ex = MultiprocExecutor(config(1, mp_start_method=method, shutdown_grace_s=0.3,
-                                  shutdown_term_s=0.3))
-    ex.collective_rpc("ignore_sigterm_and_block")
-    t0 = time.perf_counter()
-    ex.shutdown()
-    return time.perf_counter() - t0
-
-
-DRIVER = textwrap.dedent("""
-    import sys, time
-    sys.path.insert(0, {src!r}); sys.path.insert(0, {bench!r})
-    from bench_executor import NoopWorker, config
-    from mpexec.executor import MultiprocExecutor
-    ex = MultiprocExecutor(config(2, mp_start_method={method!r}))
-    ex.collective_rpc("grandchild_and_sleep", args=(60.0, {pid_file!r}), non_block=True)
-    print("busy", flush=True)
-    time.sleep(120)
-""")
-
-
-def crash_driver_sigkill(method: str) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        pid_file = f"{tmp}/pids"
-        code = DRIVER.format(src=SRC, bench=str(ROOT / "benchmarks"), method=method,
-                             pid_file=pid_file)
-        driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                  text=True)
-        assert driver.stdout is not None and driver.stdout.readline() == "busy\n"
-        files = [Path(f"{pid_file}.{r}") for r in (0, 1)]
-        deadline = time.monotonic() + 30
-        while not all(f.exists() and f.read_text().endswith("\n") for f in files):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        pids = [int(p) for f in files for p in f.read_text().split()]
-        t0 = time.perf_counter()
-        driver.kill()
-        driver.wait(10)
-        deadline = time.monotonic() + 70
-        while not all(process_gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        elapsed = time.perf_counter() - t0
-        left = [p for p in pids if not process_gone(p)]
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        driver.stdout.close()
-        return elapsed
-
-
-CRASH_ROWS: list[tuple[str, Callable[[str], float], str]] = [
-    ("worker raises", crash_raise, "WorkerError"),
-    ("argument fails to unpickle in the worker", crash_bad_argument, "WorkerError"),
-    ("reply fails to unpickle in the driver", crash_bad_reply, "WorkerError"),
-    ("hang past timeout=0.2s", crash_timeout, "TimeoutError"),
-    ("SIGKILL mid-call (from the kill)", lambda m: _kill_mid_call(m, False),
-     "WorkerDiedError"),
-    ("SIGSTOP then SIGKILL (from the kill)", lambda m: _kill_mid_call(m, True),
-     "WorkerDiedError"),
-    ("peer frozen, other killed (grace 2s + 2s)", crash_frozen_peer, "WorkerDiedError"),
-    ("start-up failure (from the constructor call)", crash_startup, "WorkerStartupError"),
-    ("SIGTERM ignored at shutdown (0.3s + 0.3s)", crash_sigterm_ignored, "shutdown returns"),
-    ("driver SIGKILL, workers in a 60s call", crash_driver_sigkill, "all gone (< 2000)"),
-]
-
-
-def bench_crashes(methods: list[str], reps: int) -> None:
-    rows = []
-    for name, run, what in CRASH_ROWS:
-        row: list[Any] = [name, what]
-        for method in methods:
-            times = []
-            for _ in range(reps):
-                try:
-                    times.append(run(method))
-                except Exception as exc:
-                    print(f"  {name} ({method}): {type(exc).__name__}: {exc}", file=sys.stderr)
-            row.append(ms(summary(times)["median"]) if times else "failed")
-        rows.append(row)
-    print(render(f"5. crash cases: time to the caller's error, median of {reps} (ms)",
-                 ["case", "caller sees", *methods], rows, left=2))
 
 
 def main() -> None:
