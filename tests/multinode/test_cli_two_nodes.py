@@ -25,14 +25,6 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.usefixtures("leak
 PROMPTS = ["hello world", "the quick brown fox jumps"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
-    testing = pytest.importorskip("mpexec.models.testing")
-    path: Path = testing.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
-    return path
-
-
 def mpexec(*args: str, node_id: str | None = None, secret: str | None = SECRET,
            **env: str) -> subprocess.Popen[str]:
     """``python -m mpexec ARGS`` in a new session (its own process tree)."""
@@ -47,8 +39,8 @@ def mpexec(*args: str, node_id: str | None = None, secret: str | None = SECRET,
                             stderr=subprocess.PIPE, text=True)
 
 
-def generate_args(tiny: Path, *extra: str, tp: int = 2) -> list[str]:
-    args = ["generate", "--model", str(tiny), "--json", "--temperature", "0",
+def generate_args(tiny_checkpoint: Path, *extra: str, tp: int = 2) -> list[str]:
+    args = ["generate", "--model", str(tiny_checkpoint), "--json", "--temperature", "0",
             "--max-tokens", "8", "--tp", str(tp), *extra]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
@@ -76,15 +68,15 @@ def rows(stdout: str) -> list[dict[str, object]]:
 
 
 @pytest.mark.timeout(240)
-def test_generate_across_two_nodes_prints_what_one_node_prints(tiny: Path) -> None:
+def test_generate_across_two_nodes_prints_what_one_node_prints(tiny_checkpoint: Path) -> None:
     # One process is the reference: tests/engine/test_e2e_model.py shows mp
     # with TP=2 on one node gives its tokens.
-    code, out, err = finish(mpexec(*generate_args(tiny, "--backend", "uni", tp=1)), 120)
+    code, out, err = finish(mpexec(*generate_args(tiny_checkpoint, "--backend", "uni", tp=1)), 120)
     assert code == 0, err
     one_node = rows(out)
     port = free_port()
     follower = mpexec(*follower_args(port))
-    leader = mpexec(*generate_args(tiny, "--nnodes", "2", "--master-port", str(port)))
+    leader = mpexec(*generate_args(tiny_checkpoint, "--nnodes", "2", "--master-port", str(port)))
     code, out, err = finish(leader, 120)
     f_code, _f_out, f_err = finish(follower, 30)
     assert code == 0, err + f_err
@@ -95,9 +87,10 @@ def test_generate_across_two_nodes_prints_what_one_node_prints(tiny: Path) -> No
 
 
 @pytest.mark.timeout(120)
-def test_a_follower_that_never_comes_is_named_with_the_command_to_run(tiny: Path) -> None:
+def test_a_follower_that_never_comes_is_named_with_the_command_to_run(
+        tiny_checkpoint: Path) -> None:
     port = free_port()
-    leader = mpexec(*generate_args(tiny, "--nnodes", "2", "--master-port", str(port)),
+    leader = mpexec(*generate_args(tiny_checkpoint, "--nnodes", "2", "--master-port", str(port)),
                     MPEXEC_STARTUP_TIMEOUT_SECONDS="3")
     code, _out, err = finish(leader, 60)
     assert code == 1, err

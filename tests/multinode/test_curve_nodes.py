@@ -14,7 +14,7 @@ zmq = pytest.importorskip("zmq")
 from mpexec.config import ExecutorConfig, ParallelConfig  # noqa: E402
 from mpexec.errors import WorkerStartupError  # noqa: E402
 from mpexec.executor import MultiprocExecutor  # noqa: E402
-from tests.multinode.nodes import ROOT, SECRET, free_port, kill_tree  # noqa: E402
+from tests.multinode.nodes import ROOT, SECRET, free_port, reap  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE"),
               pytest.mark.timeout(120)]
@@ -52,8 +52,7 @@ def test_calls_across_nodes_with_curve(leak_check: None) -> None:
             executor.shutdown()
         assert follower.wait(30) == 0
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
+        reap(follower)
 
 
 def test_a_plaintext_follower_is_not_admitted_by_a_curve_leader(leak_check: None) -> None:
@@ -63,5 +62,4 @@ def test_a_plaintext_follower_is_not_admitted_by_a_curve_leader(leak_check: None
         with pytest.raises(WorkerStartupError, match="did not join"):
             MultiprocExecutor(_config(port, startup_timeout_s=5.0))
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
+        reap(follower)

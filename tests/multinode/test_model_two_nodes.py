@@ -23,20 +23,12 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from tests.multinode.nodes import ROOT, SECRET, free_port, kill_tree, tree_of
+from tests.multinode.nodes import ROOT, SECRET, free_port, kill_tree, reap, tree_of
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.usefixtures("leak_check")]
 
 PROMPTS = ["hello world", "the quick brown fox jumps"]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
-    testing = pytest.importorskip("mpexec.models.testing")
-    path: Path = testing.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
-    return path
 
 
 def start_model_follower(port: int, node_id: str | None) -> subprocess.Popen[bytes]:
@@ -52,10 +44,10 @@ def start_model_follower(port: int, node_id: str | None) -> subprocess.Popen[byt
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def make_llm(tiny: Path, tp: int, pp: int, **fields: Any) -> Any:
+def make_llm(tiny_checkpoint: Path, tp: int, pp: int, **fields: Any) -> Any:
     from mpexec import LLM
 
-    return LLM(str(tiny), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    return LLM(str(tiny_checkpoint), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                executor_backend="mp", num_threads=1, max_num_batched_tokens=64,
                shutdown_grace_s=2.0, shutdown_term_s=2.0, startup_timeout_s=60.0,
                **fields)
@@ -76,12 +68,12 @@ def paths_taken(worker: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def one_node_tokens(tiny: Path) -> list[list[int]]:
+def one_node_tokens(tiny_checkpoint: Path) -> list[list[int]]:
     """The same model in one process.  tests/engine/test_e2e_model.py shows that
     mp with TP=2 and with PP=2 on one node give exactly these tokens too."""
     from mpexec import LLM
 
-    with LLM(str(tiny), executor_backend="uni", num_threads=1,
+    with LLM(str(tiny_checkpoint), executor_backend="uni", num_threads=1,
              max_num_batched_tokens=64) as llm:
         return [o.token_ids for o in llm.generate(PROMPTS, greedy())]
 
@@ -93,29 +85,26 @@ def leader_node_id(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def run_two_nodes(tiny: Path, tp: int, pp: int, follower_node_id: str | None,
+def run_two_nodes(tiny_checkpoint: Path, tp: int, pp: int, follower_node_id: str | None,
                   ) -> tuple[list[list[int]], list[dict[str, Any]]]:
     port = free_port()
     follower = start_model_follower(port, follower_node_id)
     try:
-        with make_llm(tiny, tp, pp, nnodes=2, master_port=port,
+        with make_llm(tiny_checkpoint, tp, pp, nnodes=2, master_port=port,
                       cluster_secret=SECRET) as llm:
             tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
             paths = llm.engine.executor.collective_rpc(paths_taken, timeout=30)
         assert follower.wait(30) == 0
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
     return tokens, paths
 
 
 @pytest.mark.timeout(180)
 def test_pp2_one_stage_per_node_through_gloo(
-        tiny: Path, one_node_tokens: list[list[int]],
+        tiny_checkpoint: Path, one_node_tokens: list[list[int]],
         leader_node_id: None) -> None:
-    tokens, paths = run_two_nodes(tiny, 1, 2, "follower-1")
+    tokens, paths = run_two_nodes(tiny_checkpoint, 1, 2, "follower-1")
     assert tokens == one_node_tokens
     assert paths[0]["pp_routes"] == {(0, 1): "gloo"}  # the hidden states took gloo
     assert paths[1]["pp_routes"] == {(0, 1): "gloo"}
@@ -126,7 +115,7 @@ def test_pp2_one_stage_per_node_through_gloo(
 LEADER_SCRIPT = """
 import sys
 from mpexec import LLM, SamplingParams
-llm = LLM({tiny!r}, tensor_parallel_size=2, executor_backend="mp", num_threads=1,
+llm = LLM({tiny_checkpoint!r}, tensor_parallel_size=2, executor_backend="mp", num_threads=1,
           max_num_batched_tokens=64, nnodes=2, master_port={port}, startup_timeout_s=60.0)
 params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 while True:  # generating until killed
@@ -138,7 +127,7 @@ while True:  # generating until killed
 
 @pytest.mark.timeout(120)
 def test_tp2_split_across_two_nodes_through_gloo_then_the_follower_dies(
-        tiny: Path, one_node_tokens: list[list[int]], leader_node_id: None) -> None:
+        tiny_checkpoint: Path, one_node_tokens: list[list[int]], leader_node_id: None) -> None:
     """One node's tokens, the all-reduce through gloo; then the follower is
     killed mid-generation and ``generate`` fails naming its node."""
     from mpexec import SamplingParams, WorkerDiedError
@@ -146,7 +135,7 @@ def test_tp2_split_across_two_nodes_through_gloo_then_the_follower_dies(
     port = free_port()
     follower = start_model_follower(port, "follower-1")
     try:
-        llm = make_llm(tiny, 2, 1, nnodes=2, master_port=port, cluster_secret=SECRET,
+        llm = make_llm(tiny_checkpoint, 2, 1, nnodes=2, master_port=port, cluster_secret=SECRET,
                        execute_model_timeout_s=60.0)
         try:
             assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == one_node_tokens
@@ -165,19 +154,16 @@ def test_tp2_split_across_two_nodes_through_gloo_then_the_follower_dies(
         finally:
             llm.shutdown()
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
 
 
 @pytest.mark.timeout(120)
-def test_leader_killed_mid_generation_ends_the_follower(tiny: Path) -> None:
+def test_leader_killed_mid_generation_ends_the_follower(tiny_checkpoint: Path) -> None:
     port = free_port()
     follower = start_model_follower(port, "follower-1")
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET, "MPEXEC_NODE_ID": "leader",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    script = LEADER_SCRIPT.format(tiny=str(tiny), port=port, prompts=PROMPTS)
+    script = LEADER_SCRIPT.format(tiny_checkpoint=str(tiny_checkpoint), port=port, prompts=PROMPTS)
     leader = subprocess.Popen([sys.executable, "-c", script], env=env,
                               start_new_session=True, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
@@ -196,10 +182,7 @@ def test_leader_killed_mid_generation_ends_the_follower(tiny: Path) -> None:
         assert b"is gone" in follower.stdout.read()
     finally:
         for proc in (leader, follower):
-            kill_tree(proc.pid)
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            reap(proc)
 
 
 def alive(pids: set[int], timeout_s: float) -> set[int]:

@@ -27,7 +27,7 @@ pytest.importorskip("zmq")
 from mpexec.config import ExecutorConfig, ParallelConfig
 from mpexec.errors import WorkerDiedError
 from mpexec.executor import MultiprocExecutor
-from tests.multinode.nodes import ROOT, SECRET, kill_tree
+from tests.multinode.nodes import ROOT, SECRET, reap
 
 WORKER = "tests.executor.workers:EchoWorker"
 
@@ -135,8 +135,7 @@ def _config(link: Link, port: int, **fields: Any) -> ExecutorConfig:
 
 
 def _stop(follower: subprocess.Popen[bytes]) -> None:
-    kill_tree(follower.pid)
-    follower.wait(10)
+    reap(follower)
 
 
 def test_a_short_cut_mid_stream_loses_no_call(link: Link, leak_check: None) -> None:

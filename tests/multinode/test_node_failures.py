@@ -23,7 +23,7 @@ pytest.importorskip("zmq")
 
 from mpexec.errors import WorkerDiedError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
-from tests.multinode.nodes import free_port, kill_tree, signal_tree, start_follower, tree_of
+from tests.multinode.nodes import free_port, kill_tree, reap, signal_tree, start_follower, tree_of
 from tests.multinode.test_two_nodes import _wait_gone, assert_port_free, two_node_config
 
 HANG_RANK_2 = {"fail_at": "init:hang", "fail_rank": 2}  # the follower never gets READY
@@ -37,10 +37,7 @@ def follower_port() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         yield follower, port
     finally:
         signal_tree(follower.pid, signal.SIGCONT)
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
 
 
 def _when_workers_started(follower: subprocess.Popen[bytes], then: int) -> threading.Thread:
@@ -169,10 +166,7 @@ def test_followers_leave_when_the_leader_is_stopped(
         assert _wait_gone(leader_tree, 30) == set()
         assert_port_free(port)  # a killed leader leaves no port bound
     finally:
-        kill_tree(leader.pid)
-        leader.wait(10)
-        if leader.stdout is not None:
-            leader.stdout.close()
+        reap(leader)
 
 
 @pytest.mark.timeout(120)

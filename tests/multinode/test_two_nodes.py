@@ -21,6 +21,7 @@ from tests.multinode.nodes import (
     SECRET,
     free_port,
     kill_tree,
+    reap,
     start_follower,
     tree_of,
 )
@@ -73,10 +74,7 @@ def test_ranks_results_and_orderly_end_with_mpexec_node(leak_check: None) -> Non
             executor.shutdown()
         assert follower.wait(30) == 0
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
 
 
 @pytest.mark.timeout(120)
@@ -105,10 +103,7 @@ def test_lost_follower_fails_pending_and_later_calls_naming_node_and_ranks(
             executor.shutdown()
         assert_port_free(port)  # nothing the leader bound stays bound
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
 
 
 @pytest.mark.timeout(120)
@@ -124,10 +119,7 @@ def test_a_dead_worker_on_the_follower_is_reported_at_once(leak_check: None) -> 
             executor.shutdown()
         assert follower.wait(30) == 1
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        assert follower.stdout is not None
-        follower.stdout.close()
+        reap(follower)
 
 
 @pytest.mark.timeout(120)
@@ -142,10 +134,7 @@ def test_wrong_secret_is_refused_clearly_on_both_sides(leak_check: None) -> None
         out = follower.stdout.read().decode()
         assert "refused to admit this node" in out and "cluster secret" in out
     finally:
-        kill_tree(follower.pid)
-        follower.wait(10)
-        if follower.stdout is not None:
-            follower.stdout.close()
+        reap(follower)
 
 
 _LEADER = """
@@ -181,7 +170,4 @@ def test_followers_leave_when_the_leader_is_killed(leak_check: None, tmp_path: P
         assert_port_free(port)
     finally:
         for proc in (leader, follower):
-            kill_tree(proc.pid)
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            reap(proc)
