@@ -31,22 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: names the file and the field or tensor."""
-
-    def __init__(self, path: str | Path, what: str, problem: str) -> None:
-        super().__init__(f"{path}: {what}: {problem}")
-        self.path = str(path)
-        self.what = what
-        self.problem = problem
-
+from mpexec.models.errors import CheckpointError
+from mpexec.models.rope_scaling import normalize_rope_scaling
 
 # model_type of config.json ─► the architecture name the model uses.
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-_ROPE_TYPES = {"linear", "dynamic", "llama3", "yarn"}
 MAX_LAYERS = 4096
 
 
@@ -270,59 +261,6 @@ def _head_dim(explicit: int | None, hidden_size: int, num_heads: int, source: st
         raise CheckpointError(source, key, f"missing, and the hidden size {hidden_size} is not "
                               f"a multiple of {num_heads} heads")
     return hidden_size // max(num_heads, 1)
-
-
-def normalize_rope_scaling(
-    scaling: Any, source: str | Path, max_position_embeddings: int
-) -> dict[str, Any] | None:
-    """Check a config.json ``rope_scaling`` and return it with ``rope_type`` set."""
-    if scaling is None:
-        return None
-    if not isinstance(scaling, Mapping):
-        raise CheckpointError(source, "rope_scaling", f"expected an object, got {scaling!r}")
-    out = dict(scaling)
-    kind = out.pop("rope_type", None) or out.pop("type", None)
-    out.pop("type", None)
-    if kind in (None, "default"):
-        return None
-    if kind not in _ROPE_TYPES:
-        raise CheckpointError(source, "rope_scaling.rope_type", f"{kind!r} is not supported "
-                              f"(supported: {', '.join(sorted(_ROPE_TYPES))})")
-    out["factor"] = _positive(out, "factor", source)
-    if out["factor"] < 1.0:
-        raise CheckpointError(source, "rope_scaling.factor",
-                              f"must be a number >= 1, got {out['factor']}")
-    if kind == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            out[key] = _positive(out, key, source, why="llama3 needs it")
-        if out["low_freq_factor"] >= out["high_freq_factor"]:
-            raise CheckpointError(source, "rope_scaling.low_freq_factor",
-                                  "must be below high_freq_factor")
-    if kind == "yarn":
-        out.setdefault("original_max_position_embeddings",
-                       int(max_position_embeddings / out["factor"]))
-        out.setdefault("beta_fast", 32.0)
-        out.setdefault("beta_slow", 1.0)
-        for key in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
-            out[key] = _positive(out, key, source)
-        if "attention_factor" in out and out["attention_factor"] is not None:
-            out["attention_factor"] = _positive(out, "attention_factor", source)
-        if out["beta_fast"] <= out["beta_slow"]:
-            raise CheckpointError(source, "rope_scaling.beta_fast", "must exceed beta_slow")
-    return {"rope_type": kind, **out}
-
-
-def _positive(scaling: Mapping[str, Any], key: str, source: str | Path,
-              why: str = "") -> Any:
-    value = scaling.get(key)
-    if value is None:
-        raise CheckpointError(source, f"rope_scaling.{key}", "missing" + (f" ({why})" if why
-                                                                          else ""))
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
-        raise CheckpointError(source, f"rope_scaling.{key}",
-                              f"must be a positive number, got {value!r}")
-    return value
 
 
 def _gguf_rope_scaling(
