@@ -139,7 +139,9 @@ import sys, time
 from mpexec.executor import MultiprocExecutor
 from tests.multinode.test_two_nodes import two_node_config
 if __name__ == "__main__":
-    ex = MultiprocExecutor(two_node_config(int(sys.argv[1])))
+    # argv[2] "hang": the leader's rank 0 never finishes start-up.
+    hang = {"fail_at": "init:hang", "fail_rank": 0} if sys.argv[2:] == ["hang"] else {}
+    ex = MultiprocExecutor(two_node_config(int(sys.argv[1]), worker_kwargs=hang))
     ex.collective_rpc("whoami")
     print("READY", flush=True)
     time.sleep(600)
@@ -165,6 +167,32 @@ def test_followers_leave_when_the_leader_is_stopped(
         kill_tree(leader.pid)  # SIGKILL ends stopped processes too
         assert _wait_gone(leader_tree, 30) == set()
         assert_port_free(port)  # a killed leader leaves no port bound
+    finally:
+        reap(leader)
+
+
+@pytest.mark.timeout(120)
+def test_followers_leave_when_the_leader_is_killed_during_start_up(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
+        tmp_path: Path) -> None:
+    # The follower joined and started its workers; the leader is still
+    # starting (its rank 0 hangs) when it dies: heartbeats run from JOIN on,
+    # so the follower does not wait for startup_timeout_s (60 s here).
+    follower, port = follower_port
+    script = tmp_path / "leader.py"
+    script.write_text(_LEADER)
+    leader = subprocess.Popen([sys.executable, str(script), str(port), "hang"],
+                              start_new_session=True, stdout=subprocess.PIPE,
+                              cwd=str(Path(__file__).parents[2]))
+    try:
+        deadline = time.monotonic() + 60
+        while len(tree_of(follower.pid)) < 3:  # the follower and its two workers
+            assert time.monotonic() < deadline and follower.poll() is None
+            time.sleep(0.05)
+        follower_tree = tree_of(follower.pid)
+        kill_tree(leader.pid)
+        assert follower.wait(30) == 1  # well before startup_timeout_s
+        assert _wait_gone(follower_tree, 30) == set()
     finally:
         reap(leader)
 
