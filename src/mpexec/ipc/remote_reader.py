@@ -56,6 +56,9 @@ _HELLO_REPEAT_S = 1.0
 SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
 GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
 _CURVE_CHECK_S = 0.1
+# Handshakes failed "with no detail" in a row that mean CURVE keys from another
+# secret; one alone is a writer that died during it.
+_NO_DETAIL_RUN = 3
 
 
 class RemoteReader(MessageQueue):
@@ -124,10 +127,17 @@ class RemoteReader(MessageQueue):
             secure(sock, secret, server=False)
         # Until WELCOME: a ZeroMQ handshake that fails (CURVE on one end only,
         # or CURVE keys from another secret) is reported, not waited out.
-        self._handshake_failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._monitor: Any = sock.get_monitor_socket(self._handshake_failed)
+        # A mechanism mismatch is a protocol failure, at once.  CURVE keys from
+        # another secret fail "with no detail" on every reconnect (~0.1 s
+        # apart); a writer that dies mid-handshake fails so once, then
+        # refuses connections: only a run of them means the keys.
+        self._handshake_refused = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._handshake_no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        self._handshake_ok = zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self._no_detail_run = 0
+        self._monitor: Any = sock.get_monitor_socket(
+            self._handshake_refused | self._handshake_no_detail | self._handshake_ok)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
@@ -183,7 +193,11 @@ class RemoteReader(MessageQueue):
 
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            if event & self._handshake_failed:
+            if event & self._handshake_ok:
+                self._no_detail_run = 0
+            elif event & self._handshake_no_detail:
+                self._no_detail_run += 1
+            if event & self._handshake_refused or self._no_detail_run >= _NO_DETAIL_RUN:
                 raise AuthenticationError(
                     f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
                     f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
