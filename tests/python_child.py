@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import mpexec
@@ -17,3 +18,8 @@ def run_python(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[s
     env = dict(os.environ, PYTHONPATH=SRC_DIR)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def run_code(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``code`` (dedented) in a fresh interpreter, as :func:`run_python`."""
+    return run_python("-c", textwrap.dedent(code), timeout=timeout)
