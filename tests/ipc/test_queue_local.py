@@ -19,6 +19,9 @@ import pytest
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc import MessageQueue, layout
+from tests.conftest import open_fds, shm_entries
+
+_MEMFD = "/memfd:mpexec-"
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -229,17 +232,9 @@ def test_idle_reader_logs_who_is_behind(caplog: pytest.LogCaptureFixture) -> Non
 
 def _memfds() -> tuple[set[str], set[str]]:
     """This process's mpexec memfds: open descriptors, and mapped segments."""
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:mpexec-"):
-            fds.add(target)
-    with open("/proc/self/maps") as maps:
-        mapped = {line.split(None, 5)[5].strip() for line in maps
-                  if "/memfd:mpexec-" in line}
+    fds = {target for target in open_fds().values() if target.startswith(_MEMFD)}
+    mapped = {entry for entry in shm_entries(skip=lambda pid: True)
+              if entry.startswith(_MEMFD)}
     return fds, mapped
 
 
