@@ -41,7 +41,8 @@ PATHS = ["shm", "ray"]
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
     before = ray_processes()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     warm_up(*PATHS)
     yield
     assert live_actors() == [] and live_groups() == []

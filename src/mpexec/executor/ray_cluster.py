@@ -2,10 +2,13 @@
 
 ::
 
-    RaySession.open(address)     ray.init(address=...) to join a cluster, or a
-                                 local Ray (num_cpus from this machine, no
-                                 dashboard, worker logs not forwarded); a Ray
-                                 this process already initialised is reused
+    RaySession.open(address)     ray.init(address=...) to join a cluster (the
+                                 configured one, else RAY_ADDRESS), or a new
+                                 local Ray (address="local": never one that
+                                 `ray start` left running; num_cpus from this
+                                 machine, no dashboard, worker logs not
+                                 forwarded); a Ray this process already
+                                 initialised is reused
     place_workers(...)           one bundle per worker ({"CPU": 1}, plus
                                  {"GPU": 1} on CUDA), PACK or SPREAD; ready
                                  within the timeout, or removed and
@@ -58,12 +61,15 @@ class RaySession:
             if ray.is_initialized():
                 # Ours (another executor's) or the application's: share it.
                 started = _local_users > 0
-            elif address is not None:
-                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            elif (join := _cluster_to_join(address)) is not None:
+                ray.init(address=join, log_to_driver=False, configure_logging=False)
                 started = False
             else:
-                ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                         log_to_driver=False, configure_logging=False)
+                # "local": a Ray of our own.  With no address Ray would join
+                # whatever `ray start` last ran on this machine.
+                ray.init(address="local", num_cpus=os.cpu_count() or 1,
+                         include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
                 started = True
             if started:
                 _local_users += 1
@@ -85,6 +91,11 @@ class RaySession:
             _local_users -= 1
             if _local_users == 0 and self.ray.is_initialized():
                 self.ray.shutdown()
+
+
+def _cluster_to_join(address: str | None) -> str | None:
+    """The configured address, else ``RAY_ADDRESS`` (set inside a Ray job), else None."""
+    return address if address is not None else os.environ.get("RAY_ADDRESS") or None
 
 
 def bundles_for(world_size: int, device_type: str) -> list[dict[str, float]]:
