@@ -13,6 +13,8 @@ PeerDiedError          the process at the other end of a MessageQueue died
 WorkerError            a worker raised inside a method called on it
 WorkerDiedError        a worker process died; every pending and later call
 WorkerStartupError     a worker failed before it reported READY
+CollectiveFailedError  (inside a worker) a process group's collective failed,
+                       most often because a peer of the group is gone
 =====================  ==========================================================
 
 ``TimeoutError`` (the builtin) is raised when a call or a queue operation
@@ -133,6 +135,19 @@ class WorkerStartupError(MpexecError, RuntimeError):
         if not self.remote_traceback:
             return base
         return f"{base}\n\nWorker traceback (rank {self.rank}):\n{self.remote_traceback}"
+
+
+class CollectiveFailedError(MpexecError, RuntimeError):
+    """A collective or point-to-point call of a process group failed.
+
+    Raised inside a worker by ``mpexec.distributed`` when torch.distributed
+    (gloo, NCCL) or a shared-memory channel of a group fails, usually because
+    a peer of the group died or lost its connection.  The original exception
+    is the ``__cause__`` and its message is part of this one.  The driver
+    sees it as a :class:`WorkerError` whose ``exc_type`` names this class,
+    and treats it as the possible symptom of a death (see
+    ``mpexec.executor.verdict``).
+    """
 
 
 def describe_signal(signum: int) -> str:

@@ -244,6 +244,17 @@ class RayExecutor(MultiprocExecutor):
 
     # -- failure ------------------------------------------------------------------
 
+    def _dying_wait_s(self, handle: Any) -> float:
+        """An actor on another Ray node closes its queues before Ray reports it
+        (or its node) gone: wait as long as for a follower node's verdict."""
+        wait = super()._dying_wait_s(handle)
+        session = self.session
+        node = getattr(handle, "node_id", "?")
+        if session is not None and node not in ("?", session.node_id):
+            config = self.config
+            wait = max(wait, config.node_timeout_s + 2 * config.node_heartbeat_s)
+        return wait
+
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
