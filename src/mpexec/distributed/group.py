@@ -25,11 +25,11 @@ every rank, so the first one is the same everywhere): the ranks exchange
 their node identity and pid through gloo and agree whether all could map
 the segment.  ``src`` and ``dst`` arguments are ranks within the group.
 
-A failure of any torch.distributed call or shared-memory channel (a peer
-gone: gloo's connection reset, NCCL's error, a channel's PeerDiedError)
-escapes as ``mpexec.errors.CollectiveFailedError`` with the original as its
-``__cause__`` (``liveness.CollectiveGuard``); the driver treats that type,
-and only that type, as the possible symptom of a death.
+A failure of a torch.distributed call (a peer gone: gloo's connection
+reset, NCCL's error) escapes as ``mpexec.errors.CollectiveFailedError``
+with the original as its ``__cause__`` (``liveness.CollectiveGuard``); a
+shared-memory channel's dead peer stays its ``PeerDiedError``.  The driver
+treats these, and only these, as the possible symptom of a death.
 """
 
 from __future__ import annotations
@@ -252,8 +252,7 @@ class GroupCoordinator:
         target = self._point_to_point_peer(dst, "dst")
         queue = self._channels.to(target) if self._channels is not None else None
         if queue is not None:
-            with self._guard("enqueue (shared memory)"):
-                queue.enqueue(tensor)
+            queue.enqueue(tensor)
         elif tensor.numel():
             with self._guard("send"):
                 dist.send(tensor.contiguous(), dst=target, group=self._group_for(tensor))
@@ -265,8 +264,7 @@ class GroupCoordinator:
         source = self._point_to_point_peer(src, "src")
         queue = self._channels.from_(source) if self._channels is not None else None
         if queue is not None:
-            with self._guard("dequeue (shared memory)"):
-                got = queue.dequeue()
+            got = queue.dequeue()
             if (not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape)
                     or got.dtype != dtype):
                 raise ValueError(f"{self.name} group: expected a {dtype} tensor of shape "
@@ -283,8 +281,7 @@ class GroupCoordinator:
         target = self._point_to_point_peer(dst, "dst")
         queue = self._channels.to(target) if self._channels is not None else None
         if queue is not None:
-            with self._guard("enqueue (shared memory)"):
-                queue.enqueue(obj)
+            queue.enqueue(obj)
         else:
             self._gloo_send_object(obj, target)
 
@@ -321,8 +318,7 @@ class GroupCoordinator:
         target = self._point_to_point_peer(dst, "dst")
         queue = self._channels.to(target) if self._channels is not None else None
         if queue is not None:
-            with self._guard("enqueue (shared memory)"):
-                queue.enqueue(dict(tensors))  # tensors travel out of band: one copy each way
+            queue.enqueue(dict(tensors))  # tensors travel out of band: one copy each way
             return
         metadata: list[tuple[str, Any]] = []
         payloads: list[torch.Tensor] = []
@@ -343,8 +339,7 @@ class GroupCoordinator:
         source = self._point_to_point_peer(src, "src")
         queue = self._channels.from_(source) if self._channels is not None else None
         if queue is not None:
-            with self._guard("dequeue (shared memory)"):
-                got = queue.dequeue()
+            got = queue.dequeue()
             if not isinstance(got, dict):
                 raise ValueError(f"{self.name} group: expected a tensor dict from rank {src}, "
                                  f"got {_describe(got)}")

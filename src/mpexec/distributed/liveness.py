@@ -94,13 +94,12 @@ class CollectiveGuard:
     """``with CollectiveGuard(what):`` - a failure of the call inside becomes
     :class:`~mpexec.errors.CollectiveFailedError`.
 
-    Wraps every torch.distributed call and shared-memory channel operation of
-    a group: gloo's "Connection reset by peer", NCCL's errors (RuntimeError
-    and its subclasses such as ``DistBackendError``) and a channel's
-    ``QueueClosedError`` / ``PeerDiedError`` (RuntimeErrors too) become one
-    type the driver recognises, the original kept as ``__cause__`` and its
-    message in the new one.  Errors of the arguments (ValueError, TypeError)
-    pass unchanged, and so does a CollectiveFailedError from a nested guard.
+    Wraps every torch.distributed call of a group: gloo's "Connection reset
+    by peer" and NCCL's errors (RuntimeError and its subclasses such as
+    ``DistBackendError``) become one type the driver recognises, the
+    original kept as ``__cause__`` and its message in the new one.  Errors
+    of the arguments (ValueError, TypeError) pass unchanged, and so does a
+    CollectiveFailedError from a nested guard.
     """
 
     __slots__ = ("what",)

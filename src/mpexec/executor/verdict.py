@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 PEER_DEATH_SYMPTOMS = frozenset({
     "mpexec.errors.CollectiveFailedError",
     "mpexec.distributed.liveness.PeerDiedInCollectiveError",
-    "mpexec.errors.PeerDiedError",
+    "mpexec.errors.PeerDiedError",  # a shared-memory point-to-point channel's dead peer
 })
 
 # How long a collective's failure may precede the executor's verdict on one node.
