@@ -15,6 +15,8 @@ WorkerDiedError        a worker process died; every pending and later call
 WorkerStartupError     a worker failed before it reported READY
 CollectiveFailedError  (inside a worker) a process group's collective failed,
                        most often because a peer of the group is gone
+NodeVersionError       a follower node and its leader run different mpexec
+                       versions (or node protocols); the follower is refused
 =====================  ==========================================================
 
 ``TimeoutError`` (the builtin) is raised when a call or a queue operation
@@ -147,6 +149,15 @@ class CollectiveFailedError(MpexecError, RuntimeError):
     sees it as a :class:`WorkerError` whose ``exc_type`` names this class,
     and treats it as the possible symptom of a death (see
     ``mpexec.executor.verdict``).
+    """
+
+
+class NodeVersionError(MpexecError, RuntimeError):
+    """A follower node and its leader speak different versions of mpexec.
+
+    Raised on the follower (which then exits non-zero) when the leader
+    refuses its JOIN, or when the leader's CONFIG names another version; the
+    message names both versions.  Run the same mpexec on every node.
     """
 
 
