@@ -41,6 +41,10 @@ class FakeExecutor:
     def is_failed(self) -> bool:
         return self.fail.is_set()
 
+    @property
+    def death_verdict_s(self) -> float:  # as Executor's
+        return verdict.death_verdict_s(self.config)
+
     def check_health(self) -> None:
         raise WorkerDiedError("worker rank 1 (pid 2) died", rank=1, pid=2, exitcode=-9)
 

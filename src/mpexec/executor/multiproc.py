@@ -65,7 +65,7 @@ from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.spec import PortReservation, spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
-from mpexec.executor.verdict import death_verdict_s, first_gone
+from mpexec.executor.verdict import first_gone
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import KVOutputAggregator
 from mpexec.system import get_mp_context, maybe_force_spawn
@@ -261,7 +261,7 @@ class MultiprocExecutor(Executor):
         for a local worker; for a follower node (its workers close their
         queues before the node monitor declares it lost) the monitor's verdict."""
         if isinstance(handle, RemoteNodeHandle):
-            return max(_DYING_WAIT_S, death_verdict_s(self.config))
+            return max(_DYING_WAIT_S, self.death_verdict_s)
         return _DYING_WAIT_S
 
     def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:

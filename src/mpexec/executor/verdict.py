@@ -23,9 +23,11 @@ A queue closing under a call is the executor's own business: ``_closed_error``
 verdict when that queue's far end is on another node, so the caller gets
 ``WorkerDiedError`` naming the node.
 
-``death_verdict_s``: half a second on one node (both the monitor and the
+``Executor.death_verdict_s`` (``death_verdict_s(config)`` unless a backend
+knows better): half a second on one node (both the monitor and the
 shared-memory collectives see a death through pidfds at once); across nodes
-``node_timeout_s`` plus two heartbeats (the node channel's verdict).
+``node_timeout_s`` plus two heartbeats (the node channel's verdict), and the
+same for a RayExecutor whose actors span Ray nodes.
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ def death_behind(executor: Executor, exc: BaseException) -> WorkerDiedError | No
     """The executor's ``WorkerDiedError`` if a death lies behind ``exc``, else None
     (``exc`` itself a WorkerDiedError: None, raise it as it is).
 
-    Waits (up to ``death_verdict_s``) only for an error in ``PEER_DEATH_SYMPTOMS``.
+    Waits (up to ``executor.death_verdict_s``) only for an error in
+    ``PEER_DEATH_SYMPTOMS``.
     """
     if may_follow_a_death(exc):
-        deadline = time.monotonic() + death_verdict_s(executor.config)
+        deadline = time.monotonic() + executor.death_verdict_s
         while not executor.is_failed and time.monotonic() < deadline:
             time.sleep(_POLL_S)
     elif not isinstance(exc, QueueClosedError):
