@@ -13,6 +13,10 @@ PeerDiedError          the process at the other end of a MessageQueue died
 WorkerError            a worker raised inside a method called on it
 WorkerDiedError        a worker process died; every pending and later call
 WorkerStartupError     a worker failed before it reported READY
+CollectiveFailedError  (inside a worker) a process group's collective failed,
+                       most often because a peer of the group is gone
+NodeVersionError       a follower node and its leader run different mpexec
+                       versions (or node protocols); the follower is refused
 =====================  ==========================================================
 
 ``TimeoutError`` (the builtin) is raised when a call or a queue operation
@@ -133,6 +137,28 @@ class WorkerStartupError(MpexecError, RuntimeError):
         if not self.remote_traceback:
             return base
         return f"{base}\n\nWorker traceback (rank {self.rank}):\n{self.remote_traceback}"
+
+
+class CollectiveFailedError(MpexecError, RuntimeError):
+    """A collective or point-to-point call of a process group failed.
+
+    Raised inside a worker by ``mpexec.distributed`` when torch.distributed
+    (gloo, NCCL) or a shared-memory channel of a group fails, usually because
+    a peer of the group died or lost its connection.  The original exception
+    is the ``__cause__`` and its message is part of this one.  The driver
+    sees it as a :class:`WorkerError` whose ``exc_type`` names this class,
+    and treats it as the possible symptom of a death (see
+    ``mpexec.executor.verdict``).
+    """
+
+
+class NodeVersionError(MpexecError, RuntimeError):
+    """A follower node and its leader speak different versions of mpexec.
+
+    Raised on the follower (which then exits non-zero) when the leader
+    refuses its JOIN, or when the leader's CONFIG names another version; the
+    message names both versions.  Run the same mpexec on every node.
+    """
 
 
 def describe_signal(signum: int) -> str:

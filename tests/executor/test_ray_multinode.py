@@ -7,7 +7,8 @@ shared memory, the other rank reads the same queues over the network
 (remote readers), because "same node" is the Ray node id, never the IP.
 With PACK both bundles go to the second node and every rank is remote.
 One cluster serves the whole module (a raylet takes seconds to start); the
-node-lost case removes the second node, so it runs last.
+node-lost case removes the second node, so it runs last.  With
+``cluster_curve`` the remote queues speak CURVE.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def remote_rank(ex: Any) -> int:
 def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
     ex = spread(made, mq_max_chunks=4)
     rank = remote_rank(ex)
+    # A collective's failure may wait for a death as across mp's nodes.
+    assert ex.death_verdict_s == ex.config.node_timeout_s + 2 * ex.config.node_heartbeat_s
     assert isinstance(ex.rpc_broadcast_mq, RemoteWriter)
     assert [isinstance(mq, RemoteReader) for mq in ex.response_mqs] == [
         r == rank for r in range(2)]
@@ -142,6 +145,26 @@ def test_every_actor_remote(made: list[Any]) -> None:
     assert all(isinstance(mq, RemoteReader) for mq in ex.response_mqs)
     assert ex.collective_rpc(lambda worker: worker.rank) == [0, 1]
     assert ex.collective_rpc("add", args=(1,), kwargs={"b": 2}, unique_reply_rank=0) == 3
+
+
+def test_cluster_curve_encrypts_the_queues_between_ray_nodes(made: list[Any]) -> None:
+    """cluster_curve: the remote ends of the broadcast queue and of the remote
+    actor's reply queue speak CURVE (keys from the executor's secret); the
+    calls answer as without it."""
+    import zmq
+
+    ex = spread(made, cluster_curve=True)
+    rank = remote_rank(ex)
+    broadcast = ex.rpc_broadcast_mq
+    assert isinstance(broadcast, RemoteWriter) and broadcast.export_handle().remote_curve
+    assert broadcast._sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+    reply = ex.response_mqs[rank]
+    assert isinstance(reply, RemoteReader)
+    assert reply._sock.getsockopt(zmq.MECHANISM) == zmq.CURVE  # as is the actor's writer
+    check_calls(ex)
+    big = os.urandom(1 << 20)
+    assert ex.collective_rpc("echo", args=(big,)) == [big, big]
+    assert all(not mq.drops.by_reason for mq in ex.response_mqs if isinstance(mq, RemoteReader))
 
 
 def test_node_lost_mid_call(made: list[Any], cluster: tuple[Any, Any]) -> None:

@@ -217,3 +217,42 @@ def test_mpexec_node_id_overrides_the_node_identity(monkeypatch: pytest.MonkeyPa
     assert node_identity() == "node-id/rack-2/node-7" != host
     monkeypatch.setenv("MPEXEC_NODE_ID", "")
     assert node_identity() == host and load_envs().node_id is None
+
+
+# -- a worker's own error is not a node's death ----------------------------------------
+
+@pytest.mark.timeout(120)
+def test_a_worker_value_error_across_two_nodes_arrives_at_once(
+        tiny_checkpoint: Path) -> None:
+    """TP=2 split 1 + 1; both workers' execute_model raise ValueError.  The
+    node timeout is a minute: were the error held back for a node's verdict
+    (as it once was), it would arrive after ``patience`` is spent."""
+    import threading
+
+    from mpexec import SamplingParams, WorkerError
+    from tests.engine.test_worker_errors import raise_in_execute_model
+
+    port = free_port()
+    follower = start_model_follower(port, None)
+    try:
+        llm = make_llm(tiny_checkpoint, 2, 1, nnodes=2, master_port=port,
+                       cluster_secret=SECRET, node_timeout_s=60.0, node_heartbeat_s=1.0)
+        try:
+            llm.engine.executor.collective_rpc(raise_in_execute_model, timeout=30)
+            patience = threading.Event()
+            timer = threading.Timer(30.0, patience.set)
+            timer.start()
+            try:
+                with pytest.raises(WorkerError, match="a bad batch") as caught:
+                    llm.generate(PROMPTS, SamplingParams(max_tokens=4))
+                assert not patience.is_set()
+            finally:
+                timer.cancel()
+                timer.join()
+            assert caught.value.exc_type == "ValueError"
+            assert llm.engine.is_dead and not llm.engine.executor.is_failed
+        finally:
+            llm.shutdown()
+        assert follower.wait(30) == 0
+    finally:
+        reap(follower)

@@ -24,6 +24,12 @@ every rank of the group together (collectives run in the same order on
 every rank, so the first one is the same everywhere): the ranks exchange
 their node identity and pid through gloo and agree whether all could map
 the segment.  ``src`` and ``dst`` arguments are ranks within the group.
+
+A failure of a torch.distributed call (a peer gone: gloo's connection
+reset, NCCL's error) escapes as ``mpexec.errors.CollectiveFailedError``
+with the original as its ``__cause__`` (``liveness.CollectiveGuard``); a
+shared-memory channel's dead peer stays its ``PeerDiedError``.  The driver
+treats these, and only these, as the possible symptom of a death.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpexec.distributed.liveness import CollectiveGuard
 from mpexec.distributed.p2p import ShmChannels
 from mpexec.distributed.shm_collectives import ShmCommunicator, node_identity
 
@@ -105,6 +112,9 @@ class GroupCoordinator:
         """``{(src, dst): "shm" | "gloo"}`` (global ranks) for the pairs used so far."""
         return {} if self._channels is None else self._channels.routes()
 
+    def _guard(self, call: str) -> CollectiveGuard:
+        return CollectiveGuard(f"the {self.name} group's {call} (rank {self.rank_in_group})")
+
     def _group_for(self, tensor: torch.Tensor) -> Any:
         return self.cpu_group if tensor.device.type == "cpu" else self.device_group
 
@@ -148,13 +158,15 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         if tensor.device.type != "cpu":
-            dist.all_reduce(tensor, group=self.device_group)
+            with self._guard("all_reduce"):
+                dist.all_reduce(tensor, group=self.device_group)
             return tensor
         tensor = tensor.contiguous()
         comm = self._shm_communicator()
         if comm is not None and comm.all_reduce(tensor):
             return tensor
-        dist.all_reduce(tensor, group=self.cpu_group)
+        with self._guard("all_reduce"):
+            dist.all_reduce(tensor, group=self.cpu_group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -179,14 +191,16 @@ class GroupCoordinator:
         moved = tensor.movedim(dim, 0).contiguous()
         extent = torch.tensor([moved.shape[0]], dtype=torch.int64, device=tensor.device)
         extents_t = [torch.empty_like(extent) for _ in range(self.world_size)]
-        dist.all_gather(extents_t, extent, group=group)
+        with self._guard("all_gather"):
+            dist.all_gather(extents_t, extent, group=group)
         extents = [int(e.item()) for e in extents_t]
         longest = max(extents)
         if moved.shape[0] < longest:
             padding = moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))
             moved = torch.cat([moved, padding])
         parts = [torch.empty_like(moved) for _ in range(self.world_size)]
-        dist.all_gather(parts, moved, group=group)
+        with self._guard("all_gather"):
+            dist.all_gather(parts, moved, group=group)
         joined = torch.cat([p[:n] for p, n in zip(parts, extents, strict=True)])
         return joined.movedim(0, dim).contiguous()
 
@@ -201,7 +215,8 @@ class GroupCoordinator:
         source = self._global(src, "src")
         if self.world_size == 1:
             return tensor
-        dist.broadcast(tensor, src=source, group=self._group_for(tensor))
+        with self._guard("broadcast"):
+            dist.broadcast(tensor, src=source, group=self._group_for(tensor))
         return tensor
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -210,7 +225,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank_in_group == src else None]
-        dist.broadcast_object_list(box, src=source, group=self.cpu_group)
+        with self._guard("broadcast_object_list"):
+            dist.broadcast_object_list(box, src=source, group=self.cpu_group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -218,13 +234,15 @@ class GroupCoordinator:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
+        with self._guard("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
     def barrier(self) -> None:
         """Return once every rank of the group has called it."""
         if self.world_size > 1:
-            dist.barrier(group=self.cpu_group)
+            with self._guard("barrier"):
+                dist.barrier(group=self.cpu_group)
 
     # -- point to point (pipeline stages) -----------------------------------------
 
@@ -236,7 +254,8 @@ class GroupCoordinator:
         if queue is not None:
             queue.enqueue(tensor)
         elif tensor.numel():
-            dist.send(tensor.contiguous(), dst=target, group=self._group_for(tensor))
+            with self._guard("send"):
+                dist.send(tensor.contiguous(), dst=target, group=self._group_for(tensor))
 
     def recv(self, shape: torch.Size | tuple[int, ...] | list[int], dtype: torch.dtype,
              src: int | None = None, device: torch.device | None = None) -> torch.Tensor:
@@ -253,7 +272,8 @@ class GroupCoordinator:
             return got
         tensor = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
         if tensor.numel():
-            dist.recv(tensor, src=source, group=self._group_for(tensor))
+            with self._guard("recv"):
+                dist.recv(tensor, src=source, group=self._group_for(tensor))
         return tensor
 
     def send_object(self, obj: Any, dst: int) -> None:
@@ -275,15 +295,17 @@ class GroupCoordinator:
 
     def _gloo_send_object(self, obj: Any, target: int) -> None:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=target,
-                  group=self.cpu_group)
-        dist.send(payload, dst=target, group=self.cpu_group)
+        with self._guard("send"):
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=target,
+                      group=self.cpu_group)
+            dist.send(payload, dst=target, group=self.cpu_group)
 
     def _gloo_recv_object(self, source: int) -> Any:
         length = torch.empty(1, dtype=torch.int64)
-        dist.recv(length, src=source, group=self.cpu_group)
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.recv(payload, src=source, group=self.cpu_group)
+        with self._guard("recv"):
+            dist.recv(length, src=source, group=self.cpu_group)
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+            dist.recv(payload, src=source, group=self.cpu_group)
         return pickle.loads(payload.numpy().tobytes())
 
     def send_tensor_dict(self, tensors: dict[str, Any], dst: int | None = None) -> None:

@@ -15,9 +15,14 @@ from __future__ import annotations
 import os
 import select
 
+from mpexec.errors import CollectiveFailedError
 
-class PeerDiedInCollectiveError(RuntimeError):
+
+class PeerDiedInCollectiveError(CollectiveFailedError):
     """Ranks of the group exited while the others waited for them.
+
+    A :class:`~mpexec.errors.CollectiveFailedError` (so also a
+    ``RuntimeError``): the driver recognises it as a peer's death.
 
     ``dead`` maps each exited rank (within the group) to its pid.
     """
@@ -83,3 +88,33 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass  # alive, just not ours to signal
     return True
+
+
+class CollectiveGuard:
+    """``with CollectiveGuard(what):`` - a failure of the call inside becomes
+    :class:`~mpexec.errors.CollectiveFailedError`.
+
+    Wraps every torch.distributed call of a group: gloo's "Connection reset
+    by peer" and NCCL's errors (RuntimeError and its subclasses such as
+    ``DistBackendError``) become one type the driver recognises, the
+    original kept as ``__cause__`` and its message in the new one.  Errors
+    of the arguments (ValueError, TypeError) pass unchanged, and so does a
+    CollectiveFailedError from a nested guard.
+    """
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None or not isinstance(exc, RuntimeError) \
+                or isinstance(exc, CollectiveFailedError):
+            return
+        raise CollectiveFailedError(
+            f"{self.what} failed ({type(exc).__name__}: {exc}); a peer of the group "
+            "may be gone") from exc

@@ -14,7 +14,8 @@ on the first send/recv between the pair, over gloo, like this::
     else: q.shutdown(); this pair uses gloo    else: this pair uses gloo
 
 Both ends decide from the same answer, so a pair never splits between the
-two routes.  A dead peer surfaces as the queue's ``PeerDiedError``.
+two routes.  A dead peer surfaces as the queue's ``PeerDiedError`` (which
+the driver, like ``CollectiveFailedError``, takes for a symptom of a death).
 """
 
 from __future__ import annotations

@@ -34,13 +34,16 @@ marks the engine dead too, so an engine whose worker died while it was idle
 refuses the next call at once; nothing waits forever (the futures of a dead
 executor fail at once, and every call has the executor's timeout).
 
-A worker that raised because its peer died (gloo's "connection reset" when
-the other end of an all-reduce is gone), or a queue that closed under a
-call, is a symptom: before failing with that error the engine gives the
-executor a moment to notice the death (``node_timeout_s`` plus two
-heartbeats when workers span several nodes, half a second on one) and, if
-it does, fails with the executor's ``WorkerDiedError`` instead, which names
-the dead worker or node.
+A worker that raised because its peer died (a collective failing:
+``CollectiveFailedError``, ``PeerDiedInCollectiveError``) is a symptom:
+before failing with that error the engine gives the executor a bounded
+moment to declare the death (``executor.verdict``: ``node_timeout_s`` plus
+two heartbeats when workers span several nodes, half a second on one) and,
+if it does, fails with the executor's ``WorkerDiedError`` instead, which
+names the dead worker or node.  Any other worker error (a ValueError in the
+model, say) fails the engine at once.  A queue that closes under a call is
+already the executor's ``WorkerDiedError`` (it waits for a remote node's
+verdict itself).
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ from mpexec.config import ExecutorConfig
 from mpexec.engine.block_manager import blocks_for
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
-from mpexec.errors import MpexecError, QueueClosedError, WorkerDiedError, WorkerError
+from mpexec.errors import MpexecError
 from mpexec.executor import Executor
+from mpexec.executor.verdict import death_behind
 from mpexec.outputs import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -196,36 +200,12 @@ class Engine:
                 return []
             return self._complete_oldest()
         except BaseException as exc:
-            died = self._death_behind(exc)
+            died = death_behind(self.executor, exc)
             if died is not None:
                 self._fail(died)
                 raise died from exc
             self._fail(exc)
             raise
-
-    def _death_behind(self, exc: BaseException) -> WorkerDiedError | None:
-        """The executor's ``WorkerDiedError`` if a death lies behind a worker's error."""
-        # QueueClosedError: a remote worker that exits in order (its node is
-        # being killed) closes its end of the broadcast queue before the
-        # leader hears the node is lost.
-        if not isinstance(exc, (WorkerError, QueueClosedError)):
-            return None
-        config = self.executor.config
-        grace = 0.5
-        if config.parallel.nnodes_within_dp > 1:
-            grace = config.node_timeout_s + 2 * config.node_heartbeat_s
-        deadline = time.monotonic() + grace
-        while not self.executor.is_failed and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if not self.executor.is_failed:
-            return None
-        try:
-            self.executor.check_health()
-        except WorkerDiedError as died:
-            return died
-        except Exception:  # any other answer: keep the worker's error
-            return None
-        return None
 
     def _micro_batch_requests(self) -> int | None:
         """With PP micro-batches in flight, each takes its share of the requests."""

@@ -169,6 +169,14 @@ class Executor(ABC):
         """True once a worker died; every later call raises ``WorkerDiedError``."""
         return self._failed
 
+    @property
+    def death_verdict_s(self) -> float:
+        """The longest a collective's failure may precede this executor's
+        verdict on the death behind it (see ``executor.verdict``)."""
+        from mpexec.executor.verdict import death_verdict_s
+
+        return death_verdict_s(self.config)
+
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback`` once when the executor fails (at once if it has).
 

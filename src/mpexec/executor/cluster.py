@@ -41,6 +41,8 @@ from mpexec.executor.nodewire import (
     Session,
     endpoint,
     join_auth,
+    this_version,
+    version_mismatch,
 )
 from mpexec.ipc import Handle
 from mpexec.ipc.auth import (
@@ -142,7 +144,8 @@ class NodeServer:
                                              remote_traceback=node.remote_traceback)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                late = [n.name for n in self.nodes.values() if not node_done(n)]
+                late = [n.name + (f" (refused a follower: {n.refused})" if n.refused else "")
+                        for n in self.nodes.values() if not node_done(n)]
                 raise WorkerStartupError(f"follower node(s) did not {what} within "
                                          f"{timeout_s:g}s (startup_timeout_s): "
                                          f"{', '.join(late)}")
@@ -204,13 +207,23 @@ class NodeServer:
         if node.session is not None:
             self.drops.drop("second join for a node")
             return
+        mismatch = version_mismatch(opened.parts[1] if len(opened.parts) > 1 else None,
+                                    "follower", "leader")
+        if mismatch is not None:
+            # As for a wrong secret: refuse this one, keep waiting for a
+            # follower of this version until startup_timeout_s.
+            logger.error("a follower for %s was refused: %s", node.name, mismatch)
+            node.refused = mismatch
+            self._send(identity, refusal(mismatch))
+            return
         (nonce,) = NONCE.unpack(bytes(opened.parts[0]))
         node.identity = identity
         node.session = Session(self.secret, nonce, "l2f", "f2l", self.drops)
         node.last_heard = time.monotonic()
         payload = cloudpickle.dumps(assignment_for(node.node_rank),
                                     protocol=pickle.HIGHEST_PROTOCOL)
-        self._send(identity, node.session.seal(CONFIG, node.node_rank, [payload]))
+        self._send(identity, node.session.seal(CONFIG, node.node_rank,
+                                               [payload, this_version()]))
         logger.info("follower %s joined", node.name)
 
     def _send(self, identity: bytes, frames: list[Any]) -> bool:

@@ -27,7 +27,9 @@ enqueue attempts it moves every waiting reply into the router's stash.
 End: ``shutdown()`` (idempotent; also run by ``weakref.finalize`` at
 interpreter exit) is the lifecycle's orderly close.  A worker dying is seen
 by the monitor (a poll over pidfds) or by a caller whose queue closed,
-whichever comes first: either way the caller gets ``WorkerDiedError``.
+whichever comes first: either way the caller gets ``WorkerDiedError``.  A
+queue whose far end is on a follower node waits (bounded by the node
+timeout) for the node monitor's verdict, so the error names the node.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.spec import PortReservation, spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
+from mpexec.executor.verdict import first_gone
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import KVOutputAggregator
 from mpexec.system import get_mp_context, maybe_force_spawn
@@ -236,10 +239,14 @@ class MultiprocExecutor(Executor):
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle = self._dead_worker(rank, exc)
+            # A follower node that closed its queue yet was not declared lost
+            # in time: unusable all the same, and the error says what it did.
+            how = f"{handle.name} closed its queue ({exc})" if handle is not None \
+                and handle.pid is None and handle.is_alive() else ""
             # The monitor runs the callbacks and the teardown when it sees the
             # death; without a monitor, or for a worker that closed its queue
             # yet lives on (no death for the monitor to see), a thread does.
-            if handle is not None and life.worker_died(handle) and (
+            if handle is not None and life.worker_died(handle, how) and (
                     not self.monitor_workers or handle.is_alive()):
                 threading.Thread(target=self._after_death, daemon=True,
                                  name="MpexecAfterDeath").start()
@@ -249,19 +256,23 @@ class MultiprocExecutor(Executor):
         self.lifecycle.fire_callbacks()
         self.lifecycle.teardown()
 
+    def _dying_wait_s(self, handle: WorkerHandle) -> float:
+        """How long ``handle``'s death may trail its queue closing: a moment
+        for a local worker; for a follower node (its workers close their
+        queues before the node monitor declares it lost) the monitor's verdict."""
+        if isinstance(handle, RemoteNodeHandle):
+            return max(_DYING_WAIT_S, self.death_verdict_s)
+        return _DYING_WAIT_S
+
     def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
         if rank is None and isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
             rank = self._start_rank + int(exc.role.split()[1])
         candidates = self.workers if rank is None else [self._handle(rank)]
-        deadline = time.monotonic() + _DYING_WAIT_S
-        while True:
-            for handle in candidates:
-                if not handle.is_alive():
-                    return handle
-            if time.monotonic() >= deadline:
-                # Closed its queue yet still there: unusable all the same.
-                return candidates[0] if rank is not None else None
-            time.sleep(0.005)
+        gone = first_gone(candidates, max((self._dying_wait_s(h) for h in candidates),
+                                          default=0.0))
+        if gone is None and rank is not None:
+            return candidates[0]  # closed its queue yet still there: unusable all the same
+        return gone
 
     # -- calls -----------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ local workers with their global ranks (``global_start_rank``), tells the
 leader where their reply queues are, and then only watches::
 
     join (JOIN -> CONFIG)  ->  start local workers  ->  READY  ->  watch loop
+    join refused:              another secret: AuthenticationError; another mpexec
+                               version: NodeVersionError (both: exit status 1)
     from JOIN on (start-up too): PING the leader every node_heartbeat_s;
                                leader silent > timeout  -> end (1); BYE -> end (0)
     start-up fails:            FAILED(what, the worker's traceback, rank), end
@@ -33,11 +35,20 @@ import time
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import WorkerStartupError
+from mpexec.errors import NodeVersionError, WorkerStartupError
 from mpexec.executor.launch import wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher
 from mpexec.executor.lifecycle import Lifecycle
-from mpexec.executor.nodewire import NONCE, NodeAssignment, Session, endpoint, join_auth
+from mpexec.executor.nodewire import (
+    NONCE,
+    VERSION_REFUSED,
+    NodeAssignment,
+    Session,
+    endpoint,
+    join_auth,
+    this_version,
+    version_mismatch,
+)
 from mpexec.executor.spec import spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc.auth import (
@@ -86,10 +97,11 @@ class NodeClient:
         self.last_heard = time.monotonic()
 
     def join(self, timeout_s: float) -> NodeAssignment:
-        """JOIN, then the leader's CONFIG; a refusal is an ``AuthenticationError``."""
+        """JOIN, then the leader's CONFIG; a refusal is an ``AuthenticationError``
+        (another secret) or a ``NodeVersionError`` (another mpexec)."""
         zmq = self._zmq
         self._sock.send_multipart(join_auth(self.secret, "f2l").seal(
-            JOIN, self.node_rank, 1, [NONCE.pack(self._nonce)]))
+            JOIN, self.node_rank, 1, [NONCE.pack(self._nonce), this_version()]))
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -100,6 +112,9 @@ class NodeClient:
                 continue
             frames = self._sock.recv_multipart()
             reason = is_refusal(frames)
+            if reason is not None and reason.startswith(VERSION_REFUSED):
+                raise NodeVersionError(f"node {self.node_rank}: the leader at {self.address} "
+                                       f"refused to admit this node: {reason}")
             if reason is not None:
                 raise AuthenticationError(
                     f"node {self.node_rank}: the leader at {self.address} refused to admit "
@@ -108,6 +123,11 @@ class NodeClient:
             opened = self.session.open(frames)
             if opened is not None and opened.kind == CONFIG and opened.rank == self.node_rank:
                 self.last_heard = time.monotonic()
+                mismatch = version_mismatch(
+                    opened.parts[1] if len(opened.parts) > 1 else None, "leader", "follower")
+                if mismatch is not None:  # checked before anything is unpickled
+                    self.send(FAILED, [mismatch.encode()])
+                    raise NodeVersionError(f"node {self.node_rank}: {mismatch}")
                 assignment = pickle.loads(opened.parts[0])  # authenticated, in order
                 if not isinstance(assignment, NodeAssignment):
                     raise TypeError(f"the leader sent {type(assignment).__name__}")

@@ -38,6 +38,7 @@ class RemoteNodeHandle:
         self.how = ""
         self.remote_traceback = ""  # of the worker whose failure the node reported
         self.failed_rank: int | None = None  # and its rank
+        self.refused = ""  # why the last follower that tried to join as this node was refused
         self.gone = threading.Event()
         self.bye_requested = False
         self._death_r, self._death_w = os.pipe()

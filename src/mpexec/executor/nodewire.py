@@ -6,9 +6,13 @@
     ----------------------------------             --------------------------
     NodeServer: ROUTER bound at                    NodeClient: DEALER connects to
     master_addr:master_port                        master_addr:master_port
-                          <------- JOIN(R, nonce)        (join key)
-    wrong MAC: REFUSED (plain text) ------->       AuthenticationError, exit
-    CONFIG(R, nonce, assignment) ---------->       verified, then unpickled: config,
+                          <------- JOIN(R, nonce, version)   (join key)
+    wrong MAC: REFUSED (plain text) ------->       AuthenticationError, exit 1
+    other version: REFUSED naming both ---->       NodeVersionError, exit 1
+    (logged; the leader keeps waiting for a
+    follower of its own version)
+    CONFIG(R, assignment, version) -------->       version checked (NodeVersionError,
+                                                   exit 1), then unpickled: config,
                                                    broadcast handle, init method
                                                    start the local workers
                           <------- READY(R, reply handles of its ranks)
@@ -27,6 +31,13 @@ secret *and the follower's nonce*, so frames of an earlier session cannot be
 replayed into this one, and each side drops any frame whose sequence number
 is not above the last one it accepted.  Nothing is unpickled before its MAC
 and sequence number check out.
+
+``version`` is ``"<NODE_PROTOCOL> <mpexec.__version__>"``, in the clear
+inside the sealed frame.  Both ends require both numbers to match theirs
+(the frames, the MAC layout and the pickled assignment may change between
+releases); a JOIN without one comes from an mpexec older than the check.
+A refusal is plain text (``REFUSED``, the one frame every version reads),
+so a mismatched follower learns why even where sealing has changed.
 """
 
 from __future__ import annotations
@@ -35,12 +46,39 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from mpexec import __version__
 from mpexec.config import ExecutorConfig
 from mpexec.ipc import Handle
 from mpexec.ipc.auth import DropCounter, FrameAuth, Opened, derive_key
 
 MAX_CONTROL_BYTES = 64 << 20
 NONCE = struct.Struct("<Q")
+# The node channel's protocol: raise it whenever a frame, a MAC or the
+# assignment changes (together with mpexec's version it must match across nodes).
+NODE_PROTOCOL = 2
+VERSION_REFUSED = "version mismatch"
+
+
+def this_version() -> bytes:
+    """What this process puts in a JOIN or CONFIG: the protocol and mpexec's version."""
+    return f"{NODE_PROTOCOL} {__version__}".encode()
+
+
+def describe_version(version: bytes | None) -> str:
+    """``b"2 0.1.0"`` -> ``"mpexec 0.1.0 (node protocol 2)"``."""
+    if version is None:
+        return "an mpexec older than the node protocol check"
+    protocol, _, release = bytes(version).decode(errors="replace").partition(" ")
+    return f"mpexec {release or '?'} (node protocol {protocol})"
+
+
+def version_mismatch(theirs: bytes | None, their_role: str, our_role: str) -> str | None:
+    """None if ``theirs`` matches this process; else a line naming both versions."""
+    if theirs is not None and bytes(theirs) == this_version():
+        return None
+    return (f"{VERSION_REFUSED}: the {our_role} runs {describe_version(this_version())}, "
+            f"the {their_role} {describe_version(theirs)}; run the same mpexec on every "
+            "node")
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,25 @@ class RayExecutor(MultiprocExecutor):
 
     # -- failure ------------------------------------------------------------------
 
+    @property
+    def death_verdict_s(self) -> float:
+        """Actors on several Ray nodes: as long as for multi-node mp's nodes."""
+        session = self.session
+        if session is None or all(getattr(h, "node_id", "?") in ("?", session.node_id)
+                                  for h in self.workers):
+            return super().death_verdict_s
+        config = self.config
+        return config.node_timeout_s + 2 * config.node_heartbeat_s
+
+    def _dying_wait_s(self, handle: Any) -> float:
+        """An actor on another Ray node closes its queues before Ray reports it
+        (or its node) gone: wait as long as for a follower node's verdict."""
+        wait = super()._dying_wait_s(handle)
+        session = self.session
+        if session is not None and getattr(handle, "node_id", "?") not in ("?", session.node_id):
+            wait = max(wait, self.death_verdict_s)
+        return wait
+
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):

@@ -27,6 +27,13 @@ construction.  The secret is generated per executor (or
 ``ExecutorConfig.cluster_secret``) and reaches the actors in their
 constructor arguments, that is through Ray's own channels.
 
+``ExecutorConfig.cluster_curve`` (``MPEXEC_CLUSTER_CURVE``) encrypts these
+remote queues as it does multi-node mp's: the broadcast queue's writer and
+each remote actor's reply-queue writer (``WorkerProc``, from the config the
+actor is given) speak CURVE with keys derived from that secret, and every
+reader learns it from the queue's ``Handle`` (``remote_curve``).  Queues
+that stay on the driver's Ray node are shared memory and need none.
+
 Liveness is Ray's: the executor's watcher sees an actor or its node die and
 tears down, which shuts every queue and wakes every reader (remote readers
 within one tick).
@@ -101,7 +108,7 @@ def broadcast_queue(config: ExecutorConfig, plan: QueuePlan) -> MessageQueue:
                         max_chunks=config.mq_max_chunks, name="broadcast",
                         spin_s=config.mq_spin_s,
                         connect_ip=plan.driver_ip if plan.remote else None,
-                        secret=plan.secret)
+                        secret=plan.secret, curve=config.cluster_curve and plan.remote)
 
 
 def reply_queue(config: ExecutorConfig, plan: QueuePlan, handle: Any) -> MessageQueue:

@@ -1,0 +1,113 @@
+"""Which errors of a call may hide a worker's death, and the wait for the verdict.
+
+A worker that raises because its *peer* died reaches the driver before the
+executor has declared that death (the monitor's pidfd poll on one node, the
+node channel's heartbeat across nodes).  Raising the worker's error then
+would hide the real cause, so for those errors, and only those, the caller
+waits - bounded - for the executor's verdict::
+
+    error out of a call                         what the caller raises
+    -----------------------------------------   -------------------------------------
+    WorkerDiedError                             it, at once
+    WorkerError whose exc_type is a collective  wait up to death_verdict_s(config)
+      failing (CollectiveFailedError,           for the executor to fail: failed ->
+      PeerDiedInCollectiveError, or a worker's  its WorkerDiedError (the worker's
+      MessageQueue's PeerDiedError)              error as __cause__); else the
+                                                WorkerError
+    any other WorkerError (ValueError, ...)     it, at once
+    QueueClosedError (the executor is shut      it, or the executor's WorkerDiedError
+      down: the executor already decided)       if it has failed; no wait
+
+A queue closing under a call is the executor's own business: ``_closed_error``
+(``multiproc``) waits, bounded by the node timeout, for a remote node's
+verdict when that queue's far end is on another node, so the caller gets
+``WorkerDiedError`` naming the node.
+
+``Executor.death_verdict_s`` (``death_verdict_s(config)`` unless a backend
+knows better): half a second on one node (both the monitor and the
+shared-memory collectives see a death through pidfds at once); across nodes
+``node_timeout_s`` plus two heartbeats (the node channel's verdict), and the
+same for a RayExecutor whose actors span Ray nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from mpexec.config import ExecutorConfig
+from mpexec.errors import QueueClosedError, WorkerDiedError, WorkerError
+
+if TYPE_CHECKING:
+    from mpexec.executor.abstract import Executor
+
+# The exc_type (qualified type name) of the worker errors a peer's death causes.
+PEER_DEATH_SYMPTOMS = frozenset({
+    "mpexec.errors.CollectiveFailedError",
+    "mpexec.distributed.liveness.PeerDiedInCollectiveError",
+    "mpexec.errors.PeerDiedError",  # a shared-memory point-to-point channel's dead peer
+})
+
+# How long a collective's failure may precede the executor's verdict on one node.
+ONE_NODE_VERDICT_S = 0.5
+_POLL_S = 0.02
+
+
+class _Handle(Protocol):
+    def is_alive(self) -> bool: ...
+
+
+H = TypeVar("H", bound=_Handle)
+
+
+def first_gone(handles: Sequence[H], wait_s: float) -> H | None:
+    """The first of ``handles`` found gone within ``wait_s``, or None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for handle in handles:
+            if not handle.is_alive():
+                return handle
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.005)
+
+
+def may_follow_a_death(exc: BaseException) -> bool:
+    """True for a worker error that a peer's death can cause (see the table)."""
+    return isinstance(exc, WorkerError) and exc.exc_type in PEER_DEATH_SYMPTOMS
+
+
+def death_verdict_s(config: ExecutorConfig) -> float:
+    """The longest a death may stay undeclared after a symptom of it."""
+    if config.parallel.nnodes_within_dp > 1:
+        return config.node_timeout_s + 2 * config.node_heartbeat_s
+    return ONE_NODE_VERDICT_S
+
+
+def death_behind(executor: Executor, exc: BaseException) -> WorkerDiedError | None:
+    """The executor's ``WorkerDiedError`` if a death lies behind ``exc``, else None
+    (``exc`` itself a WorkerDiedError: None, raise it as it is).
+
+    Waits (up to ``executor.death_verdict_s``) only for an error in
+    ``PEER_DEATH_SYMPTOMS``.
+    """
+    if may_follow_a_death(exc):
+        deadline = time.monotonic() + executor.death_verdict_s
+        while not executor.is_failed and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    elif not isinstance(exc, QueueClosedError):
+        return None
+    if not executor.is_failed:
+        return None
+    try:
+        executor.check_health()
+    except WorkerDiedError as died:
+        return died
+    except Exception:  # any other answer: keep the original error
+        return None
+    return None
+
+
+__all__ = ["PEER_DEATH_SYMPTOMS", "death_behind", "death_verdict_s", "first_gone",
+           "may_follow_a_death"]

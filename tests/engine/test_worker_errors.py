@@ -1,0 +1,163 @@
+"""A worker's own error reaches the caller at once; only a collective's failure
+waits (bounded) for the executor to declare a death (``executor.verdict``).
+
+Promptness is shown by events, never by a measured time: the verdict's wait
+is made much longer than the test's patience, and the error must arrive
+before a timer thread marks that patience spent.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpexec.config import ExecutorConfig, ParallelConfig
+from mpexec.errors import CollectiveFailedError, WorkerDiedError, WorkerError
+from mpexec.executor import verdict
+
+PATIENCE_S = 30.0  # far beyond a prompt error; far below the patched verdict wait
+
+
+def config(**fields: Any) -> ExecutorConfig:
+    return ExecutorConfig(worker_cls="tests.engine.fake_worker:FakeModelWorker", **fields)
+
+
+def worker_error(exc_type: str) -> WorkerError:
+    return WorkerError("worker rank 0 raised", rank=0, pid=1, method="execute_model",
+                       exc_type=exc_type, remote_traceback="")
+
+
+class FakeExecutor:
+    """Fails (``is_failed``) when ``fail`` is set; check_health then says who died."""
+
+    def __init__(self, nnodes: int = 1) -> None:
+        self.config = config(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=nnodes))
+        self.fail = threading.Event()
+
+    @property
+    def is_failed(self) -> bool:
+        return self.fail.is_set()
+
+    @property
+    def death_verdict_s(self) -> float:  # as Executor's
+        return verdict.death_verdict_s(self.config)
+
+    def check_health(self) -> None:
+        raise WorkerDiedError("worker rank 1 (pid 2) died", rank=1, pid=2, exitcode=-9)
+
+
+class Patience:
+    """A flag a timer sets after ``PATIENCE_S``: unset means "well before"."""
+
+    def __init__(self) -> None:
+        self.spent = threading.Event()
+        self._timer = threading.Timer(PATIENCE_S, self.spent.set)
+        self._timer.start()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        self._timer.join()
+
+
+def test_only_collective_failures_are_symptoms_of_a_death() -> None:
+    for name in ("mpexec.errors.CollectiveFailedError",
+                 "mpexec.distributed.liveness.PeerDiedInCollectiveError",
+                 "mpexec.errors.PeerDiedError"):
+        assert verdict.may_follow_a_death(worker_error(name))
+    for name in ("ValueError", "RuntimeError", "KeyError", "torch.OutOfMemoryError"):
+        assert not verdict.may_follow_a_death(worker_error(name))
+    assert not verdict.may_follow_a_death(CollectiveFailedError("not a WorkerError"))
+    assert verdict.death_verdict_s(config()) == verdict.ONE_NODE_VERDICT_S
+    two = config(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=2),
+                 node_timeout_s=5.0, node_heartbeat_s=1.0)
+    assert verdict.death_verdict_s(two) == 7.0
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_a_plain_worker_error_is_not_held_back(monkeypatch: pytest.MonkeyPatch,
+                                               nnodes: int) -> None:
+    monkeypatch.setattr(verdict, "ONE_NODE_VERDICT_S", 10 * PATIENCE_S)
+    executor = FakeExecutor(nnodes)
+    if nnodes > 1:
+        executor.config = executor.config.replace(node_timeout_s=10 * PATIENCE_S,
+                                                  node_heartbeat_s=1.0)
+    patience = Patience()
+    try:
+        assert verdict.death_behind(executor, worker_error("ValueError")) is None  # type: ignore[arg-type]
+        assert not patience.spent.is_set()
+    finally:
+        patience.stop()
+
+
+def test_a_collective_failure_waits_for_the_death_and_raises_it() -> None:
+    executor = FakeExecutor()
+    threading.Timer(0.05, executor.fail.set).start()
+    died = verdict.death_behind(executor, worker_error(  # type: ignore[arg-type]
+        "mpexec.distributed.liveness.PeerDiedInCollectiveError"))
+    assert isinstance(died, WorkerDiedError) and died.rank == 1
+
+
+def test_a_collective_failure_without_a_death_stays_the_workers_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verdict, "ONE_NODE_VERDICT_S", 0.05)
+    executor = FakeExecutor()
+    assert verdict.death_behind(executor, worker_error(  # type: ignore[arg-type]
+        "mpexec.errors.CollectiveFailedError")) is None
+
+
+def test_the_collective_guard_keeps_the_cause_and_its_message() -> None:
+    pytest.importorskip("torch")
+    from mpexec.distributed.liveness import CollectiveGuard, PeerDiedInCollectiveError
+
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    with pytest.raises(CollectiveFailedError, match="Connection reset by peer") as caught, \
+            CollectiveGuard("the tp group's all_reduce (rank 0)"):
+        raise reset
+    assert caught.value.__cause__ is reset
+    assert "the tp group's all_reduce" in str(caught.value)
+    with pytest.raises(ValueError), CollectiveGuard("x"):  # the caller's mistake
+        raise ValueError("bad shape")
+    inner = PeerDiedInCollectiveError("peer gone", dead={1: 2})
+    with pytest.raises(PeerDiedInCollectiveError) as kept, CollectiveGuard("x"):
+        raise inner
+    assert kept.value is inner and isinstance(inner, CollectiveFailedError)
+
+
+# -- the real thing: the tiny model, TP=2 on one node --------------------------------
+
+def raise_in_execute_model(worker: Any) -> None:
+    """Sent to every worker: from now on its execute_model raises ValueError."""
+    def execute_model(scheduler_output: Any) -> None:
+        raise ValueError("a bad batch (raised on purpose)")
+
+    worker.execute_model = execute_model
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.usefixtures("leak_check")
+def test_a_worker_value_error_in_a_tp2_llm_arrives_at_once(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec import LLM, SamplingParams
+
+    # Were a ValueError held back for a death, it would be held for this long.
+    monkeypatch.setattr(verdict, "ONE_NODE_VERDICT_S", 10 * PATIENCE_S)
+    llm = LLM(str(tiny_checkpoint), tensor_parallel_size=2, executor_backend="mp",
+              num_threads=1, max_num_batched_tokens=64, shutdown_grace_s=2.0,
+              shutdown_term_s=2.0)
+    try:
+        llm.engine.executor.collective_rpc(raise_in_execute_model, timeout=30)
+        patience = Patience()
+        try:
+            with pytest.raises(WorkerError, match="a bad batch") as caught:
+                llm.generate(["hello world"], SamplingParams(max_tokens=4))
+            assert not patience.spent.is_set()
+        finally:
+            patience.stop()
+        assert caught.value.exc_type == "ValueError"
+        assert llm.engine.is_dead and not llm.engine.executor.is_failed
+    finally:
+        llm.shutdown()
