@@ -230,10 +230,11 @@ class ExecutorConfig:
     # (WorkerContext.shared_worker_lock); it lives in /dev/shm, so only on request.
     shared_worker_lock: bool = False
 
-    # executor_backend "ray": the cluster to join (None: start a local Ray and
-    # stop it again), how the workers' placement group spreads over nodes, how
-    # long it may take to be placed, and how calls travel ("shm": mpexec's
-    # shared-memory queues, actors on the driver's node; "ray": actor calls).
+    # executor_backend "ray": the cluster to join (None: RAY_ADDRESS if set,
+    # else a local Ray, stopped by the last executor that used it), how the
+    # workers' placement group spreads over nodes, how long it may take to be
+    # placed, and how calls travel ("shm": mpexec's shared-memory queues,
+    # actors on the driver's node; "ray": actor calls).
     ray_address: str | None = None
     ray_placement_strategy: str = "PACK"
     ray_placement_timeout_s: float = 60.0

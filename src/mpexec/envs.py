@@ -29,8 +29,9 @@ MPEXEC_TRACE                             0          OpenTelemetry spans around
 MPEXEC_CLUSTER_SECRET                    (none)     the secret that authenticates
                                                     every frame between nodes
 MPEXEC_RAY_ADDRESS                       (unset)    the Ray cluster the "ray"
-                                                    backend joins (unset: it
-                                                    starts a local one)
+                                                    backend joins (unset:
+                                                    RAY_ADDRESS if set, else
+                                                    a local Ray of its own)
 MPEXEC_NODE_ID                           (unset)    this process's node, as
                                                     process groups see it
                                                     (unset: host name and
@@ -42,6 +43,11 @@ MPEXEC_CLUSTER_CURVE                     0          encrypt the sockets between
                                                     nodes (ZeroMQ CURVE, keys
                                                     from the cluster secret)
 =======================================  =========  ==========================
+
+One more is read where it is used, not here: ``MPEXEC_CACHE_DIR`` (default
+``~/.cache/mpexec``), where models are fetched to, by
+``mpexec.models.fetch.default_cache_dir`` - it must hold in processes that
+never build an :class:`Envs`.
 """
 
 from __future__ import annotations

@@ -5,19 +5,20 @@ Every error raised on purpose by mpexec derives from :class:`MpexecError`, so
 that describes it best (``RuntimeError``, ``ValueError``), so code written
 against a plain executor keeps working.
 
-=====================  ==========================================================
-error                  raised when
-=====================  ==========================================================
-QueueClosedError       a MessageQueue was shut down (locally, or by the writer)
-PeerDiedError          the process at the other end of a MessageQueue died
-WorkerError            a worker raised inside a method called on it
-WorkerDiedError        a worker process died; every pending and later call
-WorkerStartupError     a worker failed before it reported READY
-CollectiveFailedError  (inside a worker) a process group's collective failed,
-                       most often because a peer of the group is gone
-NodeVersionError       a follower node and its leader run different mpexec
-                       versions (or node protocols); the follower is refused
-=====================  ==========================================================
+=======================  ==========================================================
+error                    raised when
+=======================  ==========================================================
+QueueClosedError         a MessageQueue was shut down (locally, or by the writer)
+UndecodableMessageError  a message arrived whole but could not be unpickled
+PeerDiedError            the process at the other end of a MessageQueue died
+WorkerError              a worker raised inside a method called on it
+WorkerDiedError          a worker process died; every pending and later call
+WorkerStartupError       a worker failed before it reported READY
+CollectiveFailedError    (inside a worker) a process group's collective failed,
+                         most often because a peer of the group is gone
+NodeVersionError         a follower node and its leader run different mpexec
+                         versions (or node protocols); the follower is refused
+=======================  ==========================================================
 
 ``TimeoutError`` (the builtin) is raised when a call or a queue operation
 passes its deadline.

@@ -35,7 +35,8 @@ refuses the next call at once; nothing waits forever (the futures of a dead
 executor fail at once, and every call has the executor's timeout).
 
 A worker that raised because its peer died (a collective failing:
-``CollectiveFailedError``, ``PeerDiedInCollectiveError``) is a symptom:
+``CollectiveFailedError``, ``PeerDiedInCollectiveError``, or a
+shared-memory channel's ``PeerDiedError``) is a symptom:
 before failing with that error the engine gives the executor a bounded
 moment to declare the death (``executor.verdict``: ``node_timeout_s`` plus
 two heartbeats when workers span several nodes, half a second on one) and,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpexec.errors import MpexecError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(MpexecError, ValueError):
     """A checkpoint that cannot be loaded: names the file and the field or tensor."""
 
     def __init__(self, path: str | Path, what: str, problem: str) -> None:

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from mpexec.errors import MpexecError
 
-class ModelFetchError(RuntimeError):
+
+class ModelFetchError(MpexecError, RuntimeError):
     """The model could not be found or fetched; the message says what to do instead.
 
     ``detail`` keeps what pip printed, for logs; the message stays one line.
