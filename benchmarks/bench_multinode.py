@@ -35,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# MPEXEC_SRC (default: this checkout's src) first: spawned children inherit
+# sys.path, so both ends of a queue run the tree being measured.
+SRC = os.environ.get("MPEXEC_SRC", str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, SRC)
 
 import numpy  # noqa: E402
 import zmq  # noqa: E402
@@ -161,7 +164,7 @@ def free_port() -> int:
 
 def start_follower(port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), SRC])}
     return subprocess.Popen([sys.executable, "-m", "mpexec", "node", "--nnodes", "2",
                              "--node-rank", "1", "--master-addr", "127.0.0.1",
                              "--master-port", str(port)], env=env, start_new_session=True,
@@ -303,7 +306,7 @@ if __name__ == "__main__":
 def bench_leader_kill(reps: int) -> None:
     samples = []
     script = Path(f"/tmp/mpexec-bench-leader-{os.getpid()}.py")
-    script.write_text(_LEADER.format(root=str(ROOT), src=str(ROOT / "src"),
+    script.write_text(_LEADER.format(root=str(ROOT), src=SRC,
                                      bench=str(ROOT / "benchmarks")))
     try:
         for _ in range(reps):

@@ -66,6 +66,7 @@ from mpexec.errors import QueueClosedError
 from mpexec.ipc.auth import (
     CLOSE,
     DATA,
+    INLINE_BYTES,
     DropCounter,
     FrameAuth,
     derive_key,
@@ -86,6 +87,7 @@ from mpexec.ipc.remote_socket import (
     acquire_context,
     channel_name,
     endpoint,
+    plain_send,
     release_context,
     zmq_module,
 )
@@ -160,6 +162,8 @@ class RemoteWriter(WriterControl, MessageQueue):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
+            # Reads block at most a tick: shutdown and deadlines are seen.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
             if ":" in self.connect_ip:
                 sock.setsockopt(zmq.IPV6, 1)
             port = sock.bind_to_random_port(endpoint(self.connect_ip, "").rstrip(":"))
@@ -173,7 +177,9 @@ class RemoteWriter(WriterControl, MessageQueue):
         # One poller for the queue's life: Socket.poll() builds one per call.
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
-        self._events, self._pollin = zmq.EVENTS, zmq.POLLIN
+        self._events, self._pollin, self._again = zmq.EVENTS, zmq.POLLIN, zmq.Again
+        self._plain_send, self._sndmore = plain_send(zmq), zmq.SNDMORE
+        self._zmq_error, self._unreachable = zmq.ZMQError, zmq.EHOSTUNREACH
         self.remote_subscribe_addr = endpoint(self.connect_ip, port)
 
     @property
@@ -247,23 +253,47 @@ class RemoteWriter(WriterControl, MessageQueue):
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast ``obj`` to local and remote readers; blocks while any is a window behind."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._io:
-            self._check_open()
             seq = self._seq
-            log = self._log
             # Credit in hand (the common case) needs no look at the socket;
             # ACKs are read when it runs short.
-            if not (self._ready and log.has_credit_for(seq) and not self._reader_closed):
-                self._wait_remote(lambda: self._has_credit(seq), deadline,
-                                  "enqueue (a remote reader is a window behind)")
+            if self._closed or not self._ready or self._reader_closed or (
+                    self._log.floor <= seq - self._window):
+                self._check_open()
+                self._await_credit(seq, deadline)
             if self._local is not None:
                 self._local.enqueue(EncodedMessage(data), None if deadline is None
                                     else max(0.0, deadline - time.monotonic()))
-            self._publish(seq, data)
+            if data.__class__ is bytes and len(data) <= INLINE_BYTES:
+                self._publish_small(seq, data)
+            else:
+                self._publish(seq, data)
             self._seq = seq + 1
+
+    def _await_credit(self, seq: int, deadline: float | None) -> None:
+        """Read control frames until message ``seq`` may go (or the deadline)."""
+        # Short of credit, an ACK is usually waiting already: a blocking read
+        # (it gives up after a tick, RCVTIMEO) takes it in one call, with no
+        # look at ZMQ_EVENTS first; only the last, shorter wait polls.
+        again = self._again
+        while not self._has_credit(seq):
+            self._check_open()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
+                                       f"window behind) timed out; "
+                                       f"{self._describe_progress()}")
+                if left < self._tick_s and not self._poller.poll(max(1, int(left * 1000))):
+                    continue
+            try:
+                self._read_control()
+            except again:
+                pass
 
     def _has_credit(self, seq: int) -> bool:
         if self._reader_closed:
@@ -272,6 +302,21 @@ class RemoteWriter(WriterControl, MessageQueue):
                                    "will not consume more messages")
         return (len(self._identity) == len(self._log.acked) and self._ready
                 and self._log.has_credit_for(seq))
+
+    def _publish_small(self, seq: int, data: bytes) -> None:
+        """One small pickle: one frame per reader, sealed (its MAC) per reader."""
+        seal = self._out.seal_small
+        firsts = [seal(DATA, rank, seq, data, 1) for rank in self.remote_reader_ranks]
+        self._log.keep(seq, firsts, [])
+        send, sock, more = self._plain_send, self._sock, self._sndmore
+        identity = self._identity
+        for rank, first in zip(self.remote_reader_ranks, firsts, strict=True):
+            try:
+                send(sock, identity[rank], more)
+                send(sock, first, 0)
+            except self._zmq_error as exc:
+                if exc.errno != self._unreachable:
+                    raise  # unreachable: kept in the log; resent when it asks (RESUME)
 
     def _publish(self, seq: int, data: bytes | Frame) -> None:
         if data.__class__ is bytes:

@@ -73,10 +73,28 @@ class WriterControl:
         got = False
         # ZMQ_EVENTS costs less than a failed non-blocking read (an exception).
         while sock.getsockopt(self._events) & self._pollin:
-            frames = sock.recv_multipart()
+            self._read_control()
             got = True
-            self._handle(frames[0], frames[1:])
         return got
+
+    def _read_control(self) -> None:
+        """Read and handle one message (ROUTER: identity, frames); blocks at most
+        a tick (RCVTIMEO: ``zmq.Again``) when none is there."""
+        sock = self._sock
+        identity = sock.recv()
+        # A ROUTER message always has a frame after the identity; as a
+        # zmq.Frame it tells whether more follow (cheaper than ZMQ_RCVMORE).
+        first = sock.recv(copy=False)
+        if first.more:  # more than a control frame: never a reader's
+            frames = [first.bytes]
+            while True:
+                frame = sock.recv(copy=False)
+                frames.append(frame.bytes)
+                if not frame.more:
+                    break
+            self._handle(identity, frames)
+        else:
+            self._handle(identity, [first.bytes])
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         opened = self._in.open(frames, self.drops)
