@@ -177,7 +177,7 @@ class FrameAuth:
         return header + self._mac(header, _EMPTY_DIGEST)
 
     def open_expected(self, first: bytes, kind: int, rank: int, seq: int,
-                      aux: int) -> memoryview | None:
+                      aux: int) -> bytes | None:
         """The part of ``first`` if it is exactly the one-part inline frame
         (kind, rank, seq, aux) the receiver expects next and it is authentic;
         else ``None``, uncounted: the caller gives such frames to :meth:`open`."""
@@ -187,16 +187,27 @@ class FrameAuth:
         header = _pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, body_len)
         if not first.startswith(header):
             return None
-        view = memoryview(first)
-        part = view[PREFIX:]
+        part = first[PREFIX:]  # small: a copy costs less than memoryviews
         inner = self._inner.copy()
         inner.update(header)
         inner.update(part)
         outer = self._outer.copy()
         outer.update(inner.digest())
-        if not _compare(view[HEADER.size:PREFIX], outer.digest()):
+        if not _compare(first[HEADER.size:PREFIX], outer.digest()):
             return None
         return part
+
+    def open_control(self, frame: bytes) -> Opened | None:
+        """``frame`` opened if it is an authentic frame with no part (an ACK, a
+        RESUME); else ``None``, uncounted: the caller gives it to :meth:`open`."""
+        if len(frame) != PREFIX:
+            return None
+        magic, kind, flags, rank, aux, seq, n_parts, body_len = HEADER.unpack_from(frame)
+        if magic != MAGIC or flags or n_parts or body_len:
+            return None
+        if not _compare(frame[HEADER.size:], self._mac(frame[:HEADER.size], _EMPTY_DIGEST)):
+            return None
+        return Opened(kind, rank, aux, seq, [])
 
     @staticmethod
     def _digest(parts: list[Any]) -> tuple[bytes, int]:

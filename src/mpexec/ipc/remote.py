@@ -305,12 +305,12 @@ class RemoteWriter(WriterControl, MessageQueue):
 
     def _publish_small(self, seq: int, data: bytes) -> None:
         """One small pickle: one frame per reader, sealed (its MAC) per reader."""
-        seal = self._out.seal_small
-        firsts = [seal(DATA, rank, seq, data, 1) for rank in self.remote_reader_ranks]
+        seal, ranks = self._out.seal_small, self.remote_reader_ranks
+        firsts = [seal(DATA, ranks[0], seq, data, 1)] if len(ranks) == 1 else [
+            seal(DATA, rank, seq, data, 1) for rank in ranks]
         self._log.keep(seq, firsts, [])
-        send, sock, more = self._plain_send, self._sock, self._sndmore
-        identity = self._identity
-        for rank, first in zip(self.remote_reader_ranks, firsts, strict=True):
+        send, sock, more, identity = self._plain_send, self._sock, self._sndmore, self._identity
+        for rank, first in zip(ranks, firsts, strict=True):
             try:
                 send(sock, identity[rank], more)
                 send(sock, first, 0)

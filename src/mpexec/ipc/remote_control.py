@@ -97,11 +97,16 @@ class WriterControl:
             self._handle(identity, [first.bytes])
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
-        opened = self._in.open(frames, self.drops)
+        opened = self._in.open_control(frames[0]) if len(frames) == 1 else None
         if opened is None:
-            if kind_of(frames) == HELLO:
-                self._refuse(identity)
-            return
+            opened = self._in.open(frames, self.drops)
+            if opened is None:
+                if kind_of(frames) == HELLO:
+                    self._refuse(identity)
+                return
+        self._opened(identity, opened)
+
+    def _opened(self, identity: bytes, opened: Opened) -> None:
         rank = opened.rank
         log = self._log
         if rank not in log.acked:

@@ -101,6 +101,7 @@ class RemoteReader(MessageQueue):
         self._acked = 0
         self._control = 0              # grows with every ACK/RESUME (replay guard)
         self._heard_at = time.monotonic()
+        self._heard_seq = 0
         self._resume_at = -float("inf")
         self._resume_seq = -1
         self._dup_floor = 1 << 64      # duplicates tolerated from here (asked resends)
@@ -218,19 +219,21 @@ class RemoteReader(MessageQueue):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._busy = True
         try:
+            if self._seq - self._acked >= self._ack_every:
+                # Due since the last message: sent now, just before this read
+                # waits, so that it leaves with whatever the caller sent in
+                # between (one I/O thread wake-up for both, not one each).
+                self._tell(ACK)
             while True:
                 message = self._receive(deadline, "dequeue")
                 if message is not None:
                     break
-            if isinstance(message, memoryview):  # one small part (the hot path)
-                if self._seq - self._acked >= self._ack_every:
-                    self._tell(ACK)
-            elif self._seq - self._acked >= self._ack_every or len(message.parts) > 1:
-                self._tell(ACK)
+            if message.__class__ is not bytes and len(message.parts) > 1:  # type: ignore[union-attr]
+                self._tell(ACK)  # large parts: let the writer free them at once
         finally:
             self._busy = False
         try:
-            if isinstance(message, memoryview):
+            if isinstance(message, bytes):
                 return pickle.loads(message)
             return _decode(message)
         except Exception as exc:
@@ -264,9 +267,9 @@ class RemoteReader(MessageQueue):
         self._resume_at, self._resume_seq = now, seq
         self._tell(RESUME)
 
-    def _receive(self, deadline: float | None, what: str) -> Opened | memoryview | None:
+    def _receive(self, deadline: float | None, what: str) -> Opened | bytes | None:
         """Wait for one frame and handle it; a DATA message in order is returned:
-        its one small part as a memoryview (the hot path), else as :class:`Opened`."""
+        its one small part as bytes (the hot path), else as :class:`Opened`."""
         # A blocking read that gives up after a tick (RCVTIMEO): one call when
         # a frame is there or comes, no poller; the tick lets shutdown and the
         # deadline be seen.
@@ -283,8 +286,7 @@ class RemoteReader(MessageQueue):
                     # step; anything else takes the general path, which counts it.
                     part = self._in.open_expected(first, DATA, self.rank, self._seq, 1)
                     if part is not None:
-                        self._seq += 1
-                        self._heard_at = time.monotonic()
+                        self._seq += 1  # heard: noted at the next idle tick
                         return part
                 return self._accept(self._rest(first))
             if self._closed:
@@ -292,6 +294,8 @@ class RemoteReader(MessageQueue):
             if self._writer_closed:
                 raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
             now = time.monotonic()
+            if self._seq != self._heard_seq:  # messages came since the last tick
+                self._heard_seq, self._heard_at = self._seq, now
             if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
                 self._resume("silence")
             if deadline is not None and (now >= deadline or (
