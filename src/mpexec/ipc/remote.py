@@ -148,6 +148,10 @@ class RemoteWriter(WriterControl, MessageQueue):
         self._identity: dict[int, bytes] = {}
         self._nonce: dict[int, int] = {}
         self._reader_closed: set[int] = set()
+        # (rank, identity) of the one remote reader of a queue that has no
+        # other reader, once ready, while open and that reader has not CLOSEd:
+        # enqueue's hot path.  None: the general path.
+        self._solo: tuple[int, bytes] | None = None
         self.connect_ip = connect_ip or "127.0.0.1"
         # The process's shared context, ended with its last queue (remote_socket).
         self._context = acquire_context()
@@ -227,6 +231,9 @@ class RemoteWriter(WriterControl, MessageQueue):
                 self._ready = True
                 for rank in self.remote_reader_ranks:
                     self._welcome(rank)
+                if self._local is None and len(self.remote_reader_ranks) == 1:
+                    rank = self.remote_reader_ranks[0]
+                    self._solo = (rank, self._identity[rank])
                 self._service = threading.Thread(target=self._serve, daemon=True,
                                                  name=f"MpexecQueue-{self.name}")
                 self._service.start()
@@ -256,14 +263,28 @@ class RemoteWriter(WriterControl, MessageQueue):
         if self._closed:
             self._check_open()
         data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._io:
             seq = self._seq
-            # Credit in hand (the common case) needs no look at the socket;
-            # ACKs are read when it runs short.
-            if self._closed or not self._ready or self._reader_closed or (
-                    self._log.floor <= seq - self._window):
-                self._check_open()
+            solo = self._solo
+            if (solo is not None and self._log.floor > seq - self._window
+                    and data.__class__ is bytes and len(data) <= INLINE_BYTES):
+                # The hot path: one remote reader, credit in hand (no look at
+                # the socket: ACKs are read when it runs short), a small pickle.
+                rank, identity = solo
+                first = self._out.seal_small(DATA, rank, seq, data, 1)
+                self._log.keep(seq, [first], [])
+                sock, send = self._sock, self._plain_send
+                try:
+                    send(sock, identity, self._sndmore)
+                    send(sock, first, 0)
+                except self._zmq_error as exc:
+                    if exc.errno != self._unreachable:
+                        raise  # unreachable: kept in the log; resent when it asks (RESUME)
+                self._seq = seq + 1
+                return
+            self._check_open()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not self._ready or self._reader_closed or self._log.floor <= seq - self._window:
                 self._await_credit(seq, deadline)
             if self._local is not None:
                 self._local.enqueue(EncodedMessage(data), None if deadline is None
@@ -338,6 +359,7 @@ class RemoteWriter(WriterControl, MessageQueue):
         if self._closed:
             return
         self._closed = True
+        self._solo = None
         self._stop.set()
         if self._pid != os.getpid():
             return  # a forked copy: the sockets belong to the parent

@@ -53,6 +53,7 @@ class WriterControl:
     _nonce: dict[int, int]
     _reader_closed: set[int]
     _ready: bool
+    _solo: tuple[int, bytes] | None
     _seq: int
     _io: threading.Lock
     _stop: threading.Event
@@ -127,6 +128,7 @@ class WriterControl:
                 self._resend(rank, opened.seq)
         elif opened.kind == CLOSE:
             self._reader_closed.add(rank)
+            self._solo = None  # enqueue's general path says so
         else:
             self.drops.drop("unexpected kind")
 
