@@ -18,10 +18,12 @@ travels in the :class:`~mpexec.ipc.message_queue.Handle`
     wait_until_ready  <--------- WELCOME(r, nonce)   once every reader said HELLO
     dequeue  <------------------ DATA(r, seq k, pickle pieces, buffers)
     every window/2 messages: ACK(r, k+1) ----> credit: the writer sends message k
-                                               only when every reader acked > k-window
+      (at the next dequeue, before it waits)   only when every reader acked > k-window
     gap or silence: RESUME(r, k) ------------> resend the kept messages k, k+1, ...
-    shutdown: CLOSE ------------------------> reader r consumes no more
-             <-------------------------------- CLOSE: the writer shut the queue
+    shutdown: CLOSE(r) ----------------------> reader r consumes no more
+    fewer than n: RESUME  <--------- CLOSE(r, n published): the writer's shutdown
+    all n: ACK(r, n) ------------------------> (after a dropped connection it stays
+                                               up to CLOSE_LINGER_S to resend)
 
 Back-pressure is the ring's: the writer is at most ``max_chunks`` messages
 ahead of its slowest remote reader (``window``) and waits for ACKs rather
@@ -46,6 +48,17 @@ sequence number it expects next) before it unpickles anything; a frame that
 fails is dropped and counted in ``drops`` (by reason), logged at most once
 per interval, and the reader keeps serving the real writer.
 
+The hot path (one remote reader, credit in hand, a pickle of at most
+``auth.INLINE_BYTES``) is one frame each way: ``enqueue`` seals it
+(``FrameAuth.seal_small``) and makes two plain sends (the reader's identity,
+the frame), with no look at the socket; ``dequeue`` makes one blocking read
+and accepts the frame only if its header is byte for byte the one it
+expects next and its MAC verifies (``FrameAuth.open_expected``), else the
+general path checks and counts it.  The reader's ACK waits for its next
+``dequeue`` so that it leaves with whatever its process sent meanwhile (one
+I/O-thread wake-up, not two); a writer short of credit reads it with one
+blocking read.
+
 Liveness across hosts is not this module's job: the executor's node
 channel (heartbeats) shuts a queue down when its peer host is lost, which
 wakes every wait here within one ``tick_s``.  One thread may use an end at
@@ -64,7 +77,6 @@ from typing import Any
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc.auth import (
-    CLOSE,
     DATA,
     INLINE_BYTES,
     DropCounter,
@@ -178,6 +190,9 @@ class RemoteWriter(WriterControl, MessageQueue):
                 self._local.shutdown()
             raise
         self._sock = sock
+        # Connections that drop (seen at shutdown: ``_close_readers``).
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._closing = False
         # One poller for the queue's life: Socket.poll() builds one per call.
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
@@ -295,27 +310,6 @@ class RemoteWriter(WriterControl, MessageQueue):
                 self._publish(seq, data)
             self._seq = seq + 1
 
-    def _await_credit(self, seq: int, deadline: float | None) -> None:
-        """Read control frames until message ``seq`` may go (or the deadline)."""
-        # Short of credit, an ACK is usually waiting already: a blocking read
-        # (it gives up after a tick, RCVTIMEO) takes it in one call, with no
-        # look at ZMQ_EVENTS first; only the last, shorter wait polls.
-        again = self._again
-        while not self._has_credit(seq):
-            self._check_open()
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
-                                       f"window behind) timed out; "
-                                       f"{self._describe_progress()}")
-                if left < self._tick_s and not self._poller.poll(max(1, int(left * 1000))):
-                    continue
-            try:
-                self._read_control()
-            except again:
-                pass
-
     def _has_credit(self, seq: int) -> bool:
         if self._reader_closed:
             rank = min(self._reader_closed)
@@ -366,11 +360,12 @@ class RemoteWriter(WriterControl, MessageQueue):
         # A blocked enqueue sees ``closed`` within a tick and lets go.
         if self._io.acquire(timeout=CLOSE_GRACE_S):
             try:
-                for rank in list(self._identity):
-                    try:
-                        self._send(rank, self._out.seal(CLOSE, rank, self._seq, []))
-                    except Exception:
-                        pass
+                try:
+                    self._close_readers()
+                except Exception:  # pragma: no cover - closing goes on regardless
+                    logger.warning("queue %r: closing the remote readers failed", self.name,
+                                   exc_info=True)
+                self._end_monitor()  # before the context ends: it is a socket too
                 self._sock.close(LINGER_MS)
                 release_context(self._context)
             finally:

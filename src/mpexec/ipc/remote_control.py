@@ -1,5 +1,8 @@
 """The writer's side of what its remote readers send it: HELLO, ACK, RESUME, CLOSE.
 
+It also waits for credit (reading ACKs) and closes the readers at shutdown
+(CLOSE with the count published; see ``resend``).
+
 :class:`WriterControl` is the half of :class:`~mpexec.ipc.remote.RemoteWriter`
 that reads the ROUTER socket: it admits readers (HELLO -> WELCOME, or a
 plain-text refusal for a wrong secret), takes credit from ACKs, resends from
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from mpexec.ipc.auth import (
     ACK,
@@ -34,6 +38,9 @@ from mpexec.ipc.resend import ResendLog
 logger = logging.getLogger(__name__)
 
 SERVICE_S = 0.05  # how often an idle writer reads its readers' control frames
+# After a dropped connection, how long a closing writer stays for readers that
+# still lack messages (they ask with RESUME when CLOSE tells them how many).
+CLOSE_LINGER_S = 1.0
 
 
 class WriterControl:
@@ -53,10 +60,19 @@ class WriterControl:
     _nonce: dict[int, int]
     _reader_closed: set[int]
     _ready: bool
+    _closing: bool
+    _tick_s: float
+    _again: type[Exception]
+    _monitor: Any
     _solo: tuple[int, bytes] | None
     _seq: int
     _io: threading.Lock
     _stop: threading.Event
+
+    if TYPE_CHECKING:  # RemoteWriter's
+        def _has_credit(self, seq: int) -> bool: ...
+        def _check_open(self) -> None: ...
+        def _describe_progress(self) -> str: ...
 
     # -- incoming control frames -------------------------------------------------
 
@@ -68,6 +84,27 @@ class WriterControl:
             return
         if self._poller.poll(max(0, int(wait_s * 1000))):
             self._drain()
+
+    def _await_credit(self, seq: int, deadline: float | None) -> None:
+        """Read control frames until message ``seq`` may go (or the deadline)."""
+        # Short of credit, an ACK is usually waiting already: a blocking read
+        # (it gives up after a tick, RCVTIMEO) takes it in one call, with no
+        # look at ZMQ_EVENTS first; only the last, shorter wait polls.
+        again = self._again
+        while not self._has_credit(seq):
+            self._check_open()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
+                                       f"window behind) timed out; "
+                                       f"{self._describe_progress()}")
+                if left < self._tick_s and not self._poller.poll(max(1, int(left * 1000))):
+                    continue
+            try:
+                self._read_control()
+            except again:
+                pass
 
     def _drain(self) -> bool:
         sock = self._sock
@@ -153,6 +190,59 @@ class WriterControl:
             if not self._send(rank, frames):
                 return  # gone again: it will ask once more
             self.resent += 1
+        if self._closing:
+            self._close_reader(rank)  # CLOSE again, after what it lacked
+
+    # -- closing -------------------------------------------------------------------
+
+    def _close_reader(self, rank: int) -> None:
+        """CLOSE carries how many messages were published: a reader that has
+        fewer asks for the rest (RESUME) before it stops."""
+        try:
+            self._send(rank, [self._out.seal_control(CLOSE, rank, self._seq)])
+        except Exception:
+            pass  # closing: a reader we cannot reach is the node channel's concern
+
+    def _close_readers(self) -> None:
+        """CLOSE every reader; if a connection dropped during the queue's life,
+        stay up to ``CLOSE_LINGER_S`` while a reader lacks messages, serving its
+        RESUME (a message lost with the connection just before CLOSE)."""
+        self._closing = True
+        for rank in list(self._identity):
+            self._close_reader(rank)
+        if not self._connection_dropped():
+            return
+        deadline = time.monotonic() + CLOSE_LINGER_S
+        while True:
+            behind = [rank for rank in self._identity if rank not in self._reader_closed
+                      and self._log.acked[rank] < self._seq]
+            left = deadline - time.monotonic()
+            if not behind or left <= 0:
+                return
+            if self._poller.poll(max(1, int(min(left, SERVICE_S) * 1000))):
+                self._drain()
+            else:  # its CLOSE may have found no connection: again, every tick
+                for rank in behind:
+                    self._close_reader(rank)
+
+    def _connection_dropped(self) -> bool:
+        """Whether any reader's connection dropped since the queue started
+        (the writer's socket monitor), and the monitor ended."""
+        monitor = self._monitor
+        dropped = False
+        try:
+            while monitor.poll(0):
+                monitor.recv_multipart()
+                dropped = True
+        finally:
+            self._end_monitor()
+        return dropped
+
+    def _end_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
 
     def _refuse(self, identity: bytes) -> None:
         zmq = zmq_module()  # the failed MAC was counted (and logged) as a drop already

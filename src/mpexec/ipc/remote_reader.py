@@ -6,10 +6,11 @@ DATA frame with the next sequence number and ACKs every half window (at once
 after a large message, so the writer's resend log lets it go).  A DATA frame
 further on means frames were lost with a connection: the reader asks with
 RESUME for the one it expects, as it does after ``SILENCE_S`` with nothing
-heard (the last frames, or an ACK, may have been lost); the writer resends.
-Old frames in the range it asked for are duplicates (``recovery``), older
-ones replays (``drops``); anything failing authentication is dropped unopened
-and counted in ``drops``.  A refusal during the handshake is an
+heard (the last frames, or an ACK, may have been lost), or when a CLOSE
+counts more messages than arrived; the writer resends.  Old frames in the
+range it asked for are duplicates (``recovery``), older ones replays
+(``drops``); anything failing authentication is dropped unopened and
+counted in ``drops``.  A refusal during the handshake is an
 :class:`~mpexec.ipc.auth.AuthenticationError`; a message that verifies but
 does not unpickle is an :class:`~mpexec.errors.UndecodableMessageError`
 (consumed: the reader stays usable).
@@ -56,6 +57,9 @@ from mpexec.ipc.remote_socket import (
 _HELLO_REPEAT_S = 1.0
 SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
 GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
+# CLOSE came before messages it counts: how long to wait for them to be resent
+# (the writer stays up to remote_control.CLOSE_LINGER_S for it) before giving up.
+CLOSE_GAP_WAIT_S = 2.0
 _CURVE_CHECK_S = 0.1
 # Handshakes failed "with no detail" in a row that mean CURVE keys from another
 # secret; one alone is a writer that died during it.
@@ -114,6 +118,8 @@ class RemoteReader(MessageQueue):
         self.drops = DropCounter(f"queue {handle.name!r} (remote reader rank {rank})")
         self._nonce = secrets.randbits(63)
         self._writer_closed = False
+        self._close_seq: int | None = None  # CLOSE came with a gap: the count it gave
+        self._close_seen_at = 0.0
         self._context = acquire_context()
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -291,9 +297,12 @@ class RemoteReader(MessageQueue):
                 return self._accept(self._rest(first))
             if self._closed:
                 raise QueueClosedError(f"queue {self.name!r} was shut down")
-            if self._writer_closed:
-                raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
             now = time.monotonic()
+            if self._close_seq is not None and (self._seq >= self._close_seq or (
+                    now - self._close_seen_at >= CLOSE_GAP_WAIT_S)):
+                self._writer_closed = True  # all of it came, or the writer is gone
+            if self._writer_closed:
+                raise QueueClosedError(self._closed_by_writer())
             if self._seq != self._heard_seq:  # messages came since the last tick
                 self._heard_seq, self._heard_at = self._seq, now
             if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
@@ -303,6 +312,11 @@ class RemoteReader(MessageQueue):
                     and not self._poller.poll(max(1, int((deadline - now) * 1000))))):
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote "
                                    f"reader rank {self.rank}, {self._seq} messages read)")
+
+    def _closed_by_writer(self) -> str:
+        missing = (self._close_seq or 0) - self._seq
+        lost = f"; {missing} message(s) before its CLOSE never came" if missing > 0 else ""
+        return f"queue {self.name!r}: the writer shut the queue down{lost}"
 
     def _rest(self, first: bytes) -> list[Any]:
         """``first`` and the frames of the same message after it."""
@@ -343,7 +357,17 @@ class RemoteReader(MessageQueue):
         elif opened.kind == WELCOME and opened.seq == self._nonce and not self._welcomed:
             self._welcomed = True
         elif opened.kind == CLOSE and opened.seq >= self._seq:
-            self._writer_closed = True
+            # CLOSE says how many messages the writer published: with all of
+            # them here, done (an ACK lets a lingering writer go at once);
+            # with fewer, the rest was lost with a connection: ask for it.
+            if opened.seq == self._seq:
+                self._writer_closed = True
+                self._tell(ACK)
+            else:
+                if self._close_seq is None:
+                    self._close_seq, self._close_seen_at = opened.seq, time.monotonic()
+                    self.recovery["gap before close"] += 1
+                self._resume("gap")
         else:
             self.drops.drop("replayed")
         return None
