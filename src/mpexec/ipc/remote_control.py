@@ -87,24 +87,27 @@ class WriterControl:
 
     def _await_credit(self, seq: int, deadline: float | None) -> None:
         """Read control frames until message ``seq`` may go (or the deadline)."""
-        # Short of credit, an ACK is usually waiting already: a blocking read
-        # (it gives up after a tick, RCVTIMEO) takes it in one call, with no
-        # look at ZMQ_EVENTS first; only the last, shorter wait polls.
-        again = self._again
+        # Short of credit, an ACK is usually waiting already: without a
+        # deadline a blocking read (it gives up after a tick, RCVTIMEO) takes
+        # it in one call, with no look at ZMQ_EVENTS first.  With one (the
+        # executor's first try is timeout=0), what is there is read first.
+        again, sock, events, pollin = self._again, self._sock, self._events, self._pollin
         while not self._has_credit(seq):
             self._check_open()
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
-                                       f"window behind) timed out; "
-                                       f"{self._describe_progress()}")
-                if left < self._tick_s and not self._poller.poll(max(1, int(left * 1000))):
-                    continue
-            try:
+            if deadline is None:
+                try:
+                    self._read_control()
+                except again:
+                    pass
+                continue
+            if sock.getsockopt(events) & pollin:
                 self._read_control()
-            except again:
-                pass
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
+                                   f"window behind) timed out; {self._describe_progress()}")
+            self._poller.poll(int(min(left, self._tick_s) * 1000) + 1)
 
     def _drain(self) -> bool:
         sock = self._sock

@@ -278,15 +278,21 @@ class RemoteReader(MessageQueue):
         its one small part as bytes (the hot path), else as :class:`Opened`."""
         # A blocking read that gives up after a tick (RCVTIMEO): one call when
         # a frame is there or comes, no poller; the tick lets shutdown and the
-        # deadline be seen.
+        # deadline be seen.  A wait shorter than a tick (timeout=0: a look)
+        # polls first, so that it never blocks for a whole tick.
         again = self._again
         sock = self._sock
         while True:
-            try:
-                first = sock.recv()  # small: bytes beat a zmq.Frame
-            except again:
-                pass
+            left = self._tick_s if deadline is None else deadline - time.monotonic()
+            if left >= self._tick_s or self._poller.poll(
+                    0 if left <= 0 else int(left * 1000) + 1):
+                try:
+                    first = sock.recv()  # small: bytes beat a zmq.Frame
+                except again:
+                    first = None
             else:
+                first = None
+            if first is not None:
                 if self._welcomed:
                     # The frame expected next, checked whole (header, MAC) in one
                     # step; anything else takes the general path, which counts it.
@@ -307,9 +313,7 @@ class RemoteReader(MessageQueue):
                 self._heard_seq, self._heard_at = self._seq, now
             if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
                 self._resume("silence")
-            if deadline is not None and (now >= deadline or (
-                    deadline - now < self._tick_s  # the last wait, shorter than a tick
-                    and not self._poller.poll(max(1, int((deadline - now) * 1000))))):
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote "
                                    f"reader rank {self.rank}, {self._seq} messages read)")
 
