@@ -192,6 +192,7 @@ class RemoteWriter(WriterControl, MessageQueue):
         self._sock = sock
         # Connections that drop (seen at shutdown: ``_close_readers``).
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._dropped_at = -float("inf")
         self._closing = False
         # One poller for the queue's life: Socket.poll() builds one per call.
         self._poller = zmq.Poller()

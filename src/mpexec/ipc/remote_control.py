@@ -41,6 +41,9 @@ SERVICE_S = 0.05  # how often an idle writer reads its readers' control frames
 # After a dropped connection, how long a closing writer stays for readers that
 # still lack messages (they ask with RESUME when CLOSE tells them how many).
 CLOSE_LINGER_S = 1.0
+# ... if the drop was this recent (a longer-ago loss the reader's RESUME after
+# remote_reader.SILENCE_S has recovered already).
+RECENT_DROP_S = 1.0
 
 
 class WriterControl:
@@ -64,6 +67,7 @@ class WriterControl:
     _tick_s: float
     _again: type[Exception]
     _monitor: Any
+    _dropped_at: float
     _solo: tuple[int, bytes] | None
     _seq: int
     _io: threading.Lock
@@ -97,8 +101,8 @@ class WriterControl:
             if deadline is None:
                 try:
                     self._read_control()
-                except again:
-                    pass
+                except again:  # a tick with nothing: note dropped connections
+                    self._watch_connections()
                 continue
             if sock.getsockopt(events) & pollin:
                 self._read_control()
@@ -107,7 +111,8 @@ class WriterControl:
             if left <= 0:
                 raise TimeoutError(f"queue {self.name!r}: enqueue (a remote reader is a "
                                    f"window behind) timed out; {self._describe_progress()}")
-            self._poller.poll(int(min(left, self._tick_s) * 1000) + 1)
+            if not self._poller.poll(int(min(left, self._tick_s) * 1000) + 1):
+                self._watch_connections()
 
     def _drain(self) -> bool:
         sock = self._sock
@@ -207,13 +212,18 @@ class WriterControl:
             pass  # closing: a reader we cannot reach is the node channel's concern
 
     def _close_readers(self) -> None:
-        """CLOSE every reader; if a connection dropped during the queue's life,
-        stay up to ``CLOSE_LINGER_S`` while a reader lacks messages, serving its
-        RESUME (a message lost with the connection just before CLOSE)."""
+        """CLOSE every reader; if a connection dropped in the last
+        ``RECENT_DROP_S``, stay up to ``CLOSE_LINGER_S`` while a reader lacks
+        messages, serving its RESUME (a message lost with the connection just
+        before CLOSE).  An older drop has been made good by the reader's RESUME
+        after silence already, and a peer that died long ago (what the node
+        channel shuts a queue down for) is not waited for."""
         self._closing = True
         for rank in list(self._identity):
             self._close_reader(rank)
-        if not self._connection_dropped():
+        self._watch_connections()
+        self._end_monitor()
+        if time.monotonic() - self._dropped_at > RECENT_DROP_S:
             return
         deadline = time.monotonic() + CLOSE_LINGER_S
         while True:
@@ -228,18 +238,13 @@ class WriterControl:
                 for rank in behind:
                     self._close_reader(rank)
 
-    def _connection_dropped(self) -> bool:
-        """Whether any reader's connection dropped since the queue started
-        (the writer's socket monitor), and the monitor ended."""
+    def _watch_connections(self) -> None:
+        """Note when a reader's connection last dropped (the socket monitor,
+        read every service tick and at shutdown)."""
         monitor = self._monitor
-        dropped = False
-        try:
-            while monitor.poll(0):
-                monitor.recv_multipart()
-                dropped = True
-        finally:
-            self._end_monitor()
-        return dropped
+        while monitor is not None and monitor.poll(0):
+            monitor.recv_multipart()  # only EVENT_DISCONNECTED is asked for
+            self._dropped_at = time.monotonic()
 
     def _end_monitor(self) -> None:
         if self._monitor is not None:
@@ -277,6 +282,7 @@ class WriterControl:
                 try:
                     if not self._stop.is_set():
                         self._drain()
+                        self._watch_connections()
                 except Exception:
                     if self._stop.is_set():
                         return  # the socket closed under us: we are stopping
