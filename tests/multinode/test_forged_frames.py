@@ -55,6 +55,7 @@ class _Tap:
         self.recorded: list[list[bytes]] = []
         self.reader_id: bytes | None = None
         self.inject: list[list[bytes]] = []
+        self.append_to_next: list[bytes] = []  # frames glued to the writer's next message
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -74,7 +75,9 @@ class _Tap:
                 frames = self.back.recv_multipart()
                 self.recorded.append(frames)
                 assert self.reader_id is not None
-                self.front.send_multipart([self.reader_id, *frames])
+                with self.lock:
+                    extra, self.append_to_next = self.append_to_next, []
+                self.front.send_multipart([self.reader_id, *frames, *extra])
             with self.lock:
                 batch, self.inject = self.inject, []
             for frames in batch:
@@ -154,6 +157,34 @@ def test_forged_truncated_replayed_oversized_frames_are_never_unpickled(
         tap.close()
         writer.shutdown()
     assert not canary.exists()
+
+
+def test_frames_glued_to_a_real_message_are_dropped_and_it_is_still_taken() -> None:
+    # The reader takes the frame it expects next without asking whether more
+    # follow (ZMQ_RCVMORE costs a lookup): what is glued after it is read as
+    # a message of its own (its frames together), dropped, counted, never
+    # unpickled.
+    writer = MessageQueue(1, 0, secret=SECRET, name="glued")
+    handle = writer.export_handle()
+    tap = _Tap(handle.remote_subscribe_addr)
+    reader = MessageQueue.create_from_handle(
+        dataclasses.replace(handle, remote_subscribe_addr=tap.addr), 0, secret=SECRET)
+    try:
+        ready_all(writer, [reader])
+        writer.enqueue("before")
+        assert reader.dequeue(10) == "before"
+        with tap.lock:
+            tap.append_to_next = [pickle.dumps("glued 1"), os.urandom(100)]
+        writer.enqueue("real")
+        assert reader.dequeue(10) == "real"
+        writer.enqueue("next")
+        assert reader.dequeue(10) == "next"
+        assert reader.drops.total == 1 and set(reader.drops.by_reason) <= {
+            "truncated", "bad header"}
+    finally:
+        reader.shutdown()
+        tap.close()
+        writer.shutdown()
 
 
 def test_forged_control_frames_at_the_writer_port_are_dropped(trio: Any) -> None:

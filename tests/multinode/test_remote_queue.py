@@ -137,6 +137,27 @@ def test_writer_shutdown_ends_remote_reader(trio: Any) -> None:
         remote.dequeue(5)
 
 
+def test_a_look_at_an_empty_remote_reader_does_not_wait_a_tick(trio: Any) -> None:
+    # The executor's drain() looks at every reply queue with timeout=0; each
+    # look waiting a tick (50 ms) stalled calls.  200 looks must beat a
+    # deadline that 200 ticks would miss by half.
+    writer, local, remote = trio
+    looked: list[int] = []
+
+    def look() -> None:
+        for _ in range(200):
+            with pytest.raises(TimeoutError):
+                remote.dequeue(timeout=0)
+            looked.append(1)
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join(5.0)
+    assert not thread.is_alive() and len(looked) == 200
+    writer.enqueue("after the looks")
+    assert local.dequeue(5) == remote.dequeue(5) == "after the looks"
+
+
 def test_reader_shutdown_from_another_thread_wakes_dequeue(trio: Any) -> None:
     _, _, remote = trio
     timer = threading.Timer(0.2, remote.shutdown)

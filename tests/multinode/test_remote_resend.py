@@ -109,7 +109,7 @@ def test_a_message_lost_just_before_close_is_resent_before_the_reader_stops(
     closing.start()
     try:
         assert reader.dequeue(20) == "lost just before close"
-        with pytest.raises(QueueClosedError, match="writer shut the queue down$"):
+        with pytest.raises(QueueClosedError, match=r"writer shut the queue down$"):
             reader.dequeue(20)
     finally:
         closing.join(20)
