@@ -40,7 +40,7 @@ from mpexec.ipc.auth import (
     derive_key,
     is_refusal,
 )
-from mpexec.ipc.curve import secure
+from mpexec.ipc.curve import HandshakeWatch, secure
 from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
 from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
@@ -61,9 +61,6 @@ GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
 # (the writer stays up to remote_control.CLOSE_LINGER_S for it) before giving up.
 CLOSE_GAP_WAIT_S = 2.0
 _CURVE_CHECK_S = 0.1
-# Handshakes failed "with no detail" in a row that mean CURVE keys from another
-# secret; one alone is a writer that died during it.
-_NO_DETAIL_RUN = 3
 
 
 class RemoteReader(MessageQueue):
@@ -135,17 +132,7 @@ class RemoteReader(MessageQueue):
             secure(sock, secret, server=False)
         # Until WELCOME: a ZeroMQ handshake that fails (CURVE on one end only,
         # or CURVE keys from another secret) is reported, not waited out.
-        # A mechanism mismatch is a protocol failure, at once.  CURVE keys from
-        # another secret fail "with no detail" on every reconnect (~0.1 s
-        # apart); a writer that dies mid-handshake fails so once, then
-        # refuses connections: only a run of them means the keys.
-        self._handshake_refused = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._handshake_no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        self._handshake_ok = zmq.EVENT_HANDSHAKE_SUCCEEDED
-        self._no_detail_run = 0
-        self._monitor: Any = sock.get_monitor_socket(
-            self._handshake_refused | self._handshake_no_detail | self._handshake_ok)
+        self._watch: HandshakeWatch | None = HandshakeWatch(sock)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
@@ -195,28 +182,17 @@ class RemoteReader(MessageQueue):
 
     def _check_curve_handshake(self) -> None:
         """A CURVE mismatch fails inside ZeroMQ, before any frame: the socket
-        monitor tells, and that is as clear an error as a refusal."""
-        if self._monitor is None:
-            return
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event & self._handshake_ok:
-                self._no_detail_run = 0
-            elif event & self._handshake_no_detail:
-                self._no_detail_run += 1
-            if event & self._handshake_refused or self._no_detail_run >= _NO_DETAIL_RUN:
-                raise AuthenticationError(
-                    f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
-                    f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
-                    "one end only, or this host's cluster secret differs from the writer's")
+        monitor tells (``curve.HandshakeWatch``), as clear an error as a refusal."""
+        if self._watch is not None and self._watch.failed():
+            raise AuthenticationError(
+                f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
+                f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
+                "one end only, or this host's cluster secret differs from the writer's")
 
     def _end_monitor(self) -> None:
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
+        if self._watch is not None:
+            self._watch.end()
+            self._watch = None
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; frames that fail authentication are dropped."""
