@@ -35,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# MPEXEC_SRC (default: this checkout's src) first: spawned children inherit
+# sys.path, so both ends of a queue run the tree being measured.
+SRC = os.environ.get("MPEXEC_SRC", str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, SRC)
 
 import numpy  # noqa: E402
 import zmq  # noqa: E402
@@ -81,7 +84,8 @@ def _raw_child(pub: str, pull: str, iters: int, big: bool) -> None:
     context.term()
 
 
-def raw_zmq(iters: int, big: bool = False) -> list[float]:
+def raw_zmq(iters: int, big: bool = False, cpu: list[float] | None = None) -> list[float]:
+    """Round-trip times; ``cpu`` collects this thread's CPU time per round trip."""
     context = zmq.Context(1)
     pub = context.socket(zmq.PUB)
     pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
@@ -100,13 +104,15 @@ def raw_zmq(iters: int, big: bool = False) -> list[float]:
             break
     samples = []
     for _ in range(iters - 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if big:
             pub.send_multipart([pickle.dumps(("big", BIG)), payload], copy=False)
         else:
             pub.send(pickle.dumps(CALL))
         pickle.loads(pull.recv())
         samples.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     proc.join(30)
     pub.close(0)
     pull.close(0)
@@ -127,7 +133,9 @@ def _queue_child(handle: Any, reply_conn: Any, iters: int, big: bool) -> None:
     replies.shutdown()
 
 
-def remote_queues(iters: int, big: bool = False) -> list[float]:
+def remote_queues(iters: int, big: bool = False, cpu: list[float] | None = None,
+                  ) -> list[float]:
+    """Round-trip times; ``cpu`` collects this thread's CPU time per round trip."""
     calls = MessageQueue(1, 0, secret=SECRET, name="calls")
     parent, child = multiprocessing.get_context("spawn").Pipe()
     proc = multiprocessing.get_context("spawn").Process(
@@ -141,10 +149,12 @@ def remote_queues(iters: int, big: bool = False) -> list[float]:
     payload = numpy.zeros(BIG, dtype=numpy.uint8) if big else None
     samples = []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         calls.enqueue(("big", payload) if big else CALL)
         replies.dequeue()
         samples.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     proc.join(30)
     calls.shutdown()
     replies.shutdown()
@@ -161,7 +171,7 @@ def free_port() -> int:
 
 def start_follower(port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), SRC])}
     return subprocess.Popen([sys.executable, "-m", "mpexec", "node", "--nnodes", "2",
                              "--node-rank", "1", "--master-addr", "127.0.0.1",
                              "--master-port", str(port)], env=env, start_new_session=True,
@@ -303,7 +313,7 @@ if __name__ == "__main__":
 def bench_leader_kill(reps: int) -> None:
     samples = []
     script = Path(f"/tmp/mpexec-bench-leader-{os.getpid()}.py")
-    script.write_text(_LEADER.format(root=str(ROOT), src=str(ROOT / "src"),
+    script.write_text(_LEADER.format(root=str(ROOT), src=SRC,
                                      bench=str(ROOT / "benchmarks")))
     try:
         for _ in range(reps):

@@ -35,10 +35,18 @@ def run(iters: int, reps: int, failures: bool = True) -> None:
 
 
 def run_queues(iters: int) -> None:
-    """Raw ZeroMQ vs remote queues only: one line, medians and their ratio."""
+    """Raw ZeroMQ vs remote queues only: one line, medians and their ratio
+    (and the means: one round trip in every half window carries the ACKs;
+    and the driver thread's CPU time per round trip, kernel time included)."""
     import mpexec
 
-    raw, ours = bench_multinode.raw_zmq(iters), bench_multinode.remote_queues(iters)
+    raw_cpu: list[float] = []
+    our_cpu: list[float] = []
+    raw = bench_multinode.raw_zmq(iters, cpu=raw_cpu)
+    ours = bench_multinode.remote_queues(iters, cpu=our_cpu)
     r, o = statistics.median(raw) * 1e6, statistics.median(ours) * 1e6
+    rm, om = statistics.mean(raw) * 1e6, statistics.mean(ours) * 1e6
+    rc, oc = statistics.mean(raw_cpu) * 1e6, statistics.mean(our_cpu[1:]) * 1e6
     print(f"{mpexec.__file__}: raw ZeroMQ {r:.0f} us, remote queues {o:.0f} us, "
-          f"ratio {o / r:.2f}")
+          f"ratio {o / r:.2f} (means {rm:.0f} / {om:.0f} us, {om / rm:.2f}; "
+          f"driver thread CPU {rc:.0f} / {oc:.0f} us)")

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
+from mpexec.errors import QueueClosedError
 from mpexec.ipc import MessageQueue
 from mpexec.ipc.resend import ResendLog
 from tests.multinode.tcp_proxy import TcpProxy
@@ -87,6 +88,32 @@ def test_the_last_message_lost_is_resent_though_the_writer_is_idle(proxied: Any)
     writer.enqueue("after")
     assert reader.dequeue(10) == "after"
     assert reader.drops.total == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_message_lost_just_before_close_is_resent_before_the_reader_stops(
+        proxied: Any) -> None:
+    writer, reader, proxy = proxied
+    writer.enqueue("first")
+    assert reader.dequeue(10) == "first"
+    proxy.swallow = True  # the writer's next bytes never reach the reader
+    writer.enqueue("lost just before close")
+    deadline = time.monotonic() + 10
+    while proxy.swallowed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proxy.swallowed > 0
+    proxy.cut()
+    # CLOSE says two messages were published; the reader has one, so it asks
+    # for the other (RESUME) and the closing writer resends it first.
+    closing = threading.Thread(target=writer.shutdown)
+    closing.start()
+    try:
+        assert reader.dequeue(20) == "lost just before close"
+        with pytest.raises(QueueClosedError, match=r"writer shut the queue down$"):
+            reader.dequeue(20)
+    finally:
+        closing.join(20)
+    assert writer.resent >= 1 and reader.drops.total == 0
 
 
 def test_writer_keeps_at_most_a_window_and_refuses_old_control_frames() -> None:

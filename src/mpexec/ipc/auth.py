@@ -29,6 +29,15 @@ declared lengths, the size limit) and then the MAC with
 ``None`` for anything that fails; :class:`DropCounter` counts every drop by
 reason and logs them at most once per ``log_interval_s``.
 
+The hot path of a queue (one small message, one reader) has two shortcuts
+that produce and accept exactly the frames described above, nothing else:
+:meth:`FrameAuth.seal_small` (one part inline) and :meth:`FrameAuth.seal_control`
+(no part: the digest of nothing is computed once), and
+:meth:`FrameAuth.open_expected`, which accepts a frame only when its header is
+byte for byte the one the receiver expects next (kind, rank, sequence number,
+one inline part) and its MAC verifies; anything else is left to
+:meth:`FrameAuth.open`, which counts it.
+
 The secret comes from the configuration, else ``MPEXEC_CLUSTER_SECRET``,
 else :func:`generate_secret` on the leader, which hands it to its local
 workers and is printed for the operator to give to followers.
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import importlib
 import logging
 import secrets
 import struct
@@ -60,6 +70,32 @@ MIN_SECRET_BYTES = 16
 INLINE_BYTES = 64 * 1024
 _INLINE = 1
 _LEN = struct.Struct("<Q")
+_EMPTY_DIGEST = hashlib.sha256().digest()  # the body digest of a frame with no part
+_pack = HEADER.pack
+_compare = hmac.compare_digest
+
+# SHA-256 for the MACs: CPython's own implementation where it has one (its
+# copy() is a plain struct copy; OpenSSL 3's allocates and dispatches through
+# its providers, which costs more than hashing a small frame), else hashlib's.
+def _builtin_sha256() -> Any:
+    for module in ("_sha256", "_sha2"):  # CPython <= 3.11, >= 3.12
+        try:
+            return importlib.import_module(module).sha256
+        except (ImportError, AttributeError):  # pragma: no cover - depends on the Python
+            continue
+    return hashlib.sha256  # pragma: no cover
+
+
+_sha256 = _builtin_sha256()
+
+
+def _hmac_states(key: bytes) -> tuple[Any, Any]:
+    """HMAC-SHA256 (RFC 2104) keyed once: the SHA-256 states after the inner
+    and the outer padded key; a MAC is ``outer(inner(message))`` from copies."""
+    block = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+    return (_sha256(bytes(b ^ 0x36 for b in block)),
+            _sha256(bytes(b ^ 0x5C for b in block)))
+
 
 # Frame kinds (queues and the node control channel share the numbering).
 HELLO, WELCOME, DATA, ACK, CLOSE, RESUME = 1, 2, 3, 4, 5, 6
@@ -111,15 +147,67 @@ class FrameAuth:
     """Seals and opens frames of one channel and direction."""
 
     def __init__(self, key: bytes, max_bytes: int) -> None:
-        # The keyed state once: each MAC copies it (cheaper than re-keying).
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
+        # Keyed once: each MAC copies the two states (cheaper than re-keying).
+        self._inner, self._outer = _hmac_states(key)
+        if self._mac(b"probe", b"") != hmac.new(key, b"probe", hashlib.sha256).digest():
+            raise RuntimeError("SHA-256 states disagree with hmac")  # pragma: no cover
         self.max_bytes = max_bytes
 
     def _mac(self, header: Any, body: Any) -> bytes:
-        mac = self._keyed.copy()
-        mac.update(header)
-        mac.update(body)
-        return mac.digest()
+        inner = self._inner.copy()
+        inner.update(header)
+        inner.update(body)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+    def seal_small(self, kind: int, rank: int, seq: int, part: bytes, aux: int = 0) -> bytes:
+        """The one frame of a message of one small ``bytes`` part (<= INLINE_BYTES)."""
+        header = _pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, len(part))
+        inner = self._inner.copy()
+        inner.update(header)
+        inner.update(part)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return header + outer.digest() + part
+
+    def seal_control(self, kind: int, rank: int, seq: int, aux: int = 0) -> bytes:
+        """The one frame of a message with no part (what ``seal(..., [])`` makes)."""
+        header = _pack(MAGIC, kind, 0, rank, aux, seq, 0, 0)
+        return header + self._mac(header, _EMPTY_DIGEST)
+
+    def open_expected(self, first: bytes, kind: int, rank: int, seq: int,
+                      aux: int) -> bytes | None:
+        """The part of ``first`` if it is exactly the one-part inline frame
+        (kind, rank, seq, aux) the receiver expects next and it is authentic;
+        else ``None``, uncounted: the caller gives such frames to :meth:`open`."""
+        body_len = len(first) - PREFIX
+        if not 0 <= body_len <= INLINE_BYTES or body_len > self.max_bytes:
+            return None
+        header = _pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, body_len)
+        if not first.startswith(header):
+            return None
+        part = first[PREFIX:]  # small: a copy costs less than memoryviews
+        inner = self._inner.copy()
+        inner.update(header)
+        inner.update(part)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        if not _compare(first[HEADER.size:PREFIX], outer.digest()):
+            return None
+        return part
+
+    def open_control(self, frame: bytes) -> Opened | None:
+        """``frame`` opened if it is an authentic frame with no part (an ACK, a
+        RESUME); else ``None``, uncounted: the caller gives it to :meth:`open`."""
+        if len(frame) != PREFIX:
+            return None
+        magic, kind, flags, rank, aux, seq, n_parts, body_len = HEADER.unpack_from(frame)
+        if magic != MAGIC or flags or n_parts or body_len:
+            return None
+        if not _compare(frame[HEADER.size:], self._mac(frame[:HEADER.size], _EMPTY_DIGEST)):
+            return None
+        return Opened(kind, rank, aux, seq, [])
 
     @staticmethod
     def _digest(parts: list[Any]) -> tuple[bytes, int]:
@@ -136,9 +224,9 @@ class FrameAuth:
              ) -> list[Any]:
         """The frames to send: the sealed first frame, then the large parts."""
         if len(parts) == 1 and parts[0].__class__ is bytes and len(parts[0]) <= INLINE_BYTES:
-            part = parts[0]  # the common small message: one frame, one MAC pass
-            header = HEADER.pack(MAGIC, kind, _INLINE, rank, aux, seq, 1, len(part))
-            return [header + self._mac(header, part) + part]
+            return [self.seal_small(kind, rank, seq, parts[0], aux)]  # one frame, one pass
+        if not parts:
+            return [self.seal_control(kind, rank, seq, aux)]
         firsts, rest = self.seal_many(kind, [rank], seq, parts, aux)
         return [firsts[0], *rest]
 
@@ -206,7 +294,8 @@ class FrameAuth:
         if n_parts == 1 and flags:
             drops.drop("bad header")  # that form is MACed directly, never as a digest
             return None
-        if not hmac.compare_digest(mac, self._mac(header, self._digest(parts)[0])):
+        digest = self._digest(parts)[0] if parts else _EMPTY_DIGEST
+        if not hmac.compare_digest(mac, self._mac(header, digest)):
             drops.drop("bad mac")
             return None
         return Opened(kind, rank, aux, seq, parts)

@@ -13,8 +13,9 @@ CURVE server; the connecting end (a remote reader, a follower) is the client
 and must know the server's public key before the handshake.  That key never
 crosses the wire and is derived from the secret, so only holders of the
 secret complete the handshake; a plaintext peer, or one with another secret,
-fails it inside ZeroMQ and never delivers a frame.  The HMAC checks stay on
-underneath, unchanged.
+fails it inside ZeroMQ and never delivers a frame (the connecting end learns
+it from the socket monitor: :class:`HandshakeWatch`).  The HMAC checks stay
+on underneath, unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import hmac
 from typing import Any
 
 from mpexec.ipc.auth import secret_bytes
+
+# Handshakes failed "with no detail" in a row that mean CURVE keys from another
+# secret; one alone is a writer that died during it.
+NO_DETAIL_RUN = 3
 
 
 class CurveUnavailableError(RuntimeError):
@@ -68,3 +73,44 @@ def secure(sock: Any, secret: str | bytes, *, server: bool) -> None:
         sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, client_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, client_private)
+
+
+class HandshakeWatch:
+    """A connecting socket's ZeroMQ handshakes, watched until :meth:`end`.
+
+    A CURVE mismatch fails inside ZeroMQ, before any frame: only the socket
+    monitor tells.  A mechanism mismatch (CURVE at one end only) is a
+    protocol failure, at once.  CURVE keys from another secret fail "with no
+    detail" on every reconnect (~0.1 s apart); a writer that dies during the
+    handshake fails so once, then refuses connections: only a run of
+    ``NO_DETAIL_RUN`` of them means the keys.
+    """
+
+    def __init__(self, sock: Any) -> None:
+        zmq = _zmq()
+        self._refused = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        self._no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        self._ok = zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self._run = 0
+        self._sock = sock
+        self._monitor: Any = sock.get_monitor_socket(self._refused | self._no_detail | self._ok)
+
+    def failed(self) -> bool:
+        """Whether the handshakes so far say the two ends' CURVE settings differ."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & self._ok:
+                self._run = 0
+            elif event & self._no_detail:
+                self._run += 1
+            if event & self._refused or self._run >= NO_DETAIL_RUN:
+                return True
+        return False
+
+    def end(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None

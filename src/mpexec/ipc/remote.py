@@ -18,10 +18,12 @@ travels in the :class:`~mpexec.ipc.message_queue.Handle`
     wait_until_ready  <--------- WELCOME(r, nonce)   once every reader said HELLO
     dequeue  <------------------ DATA(r, seq k, pickle pieces, buffers)
     every window/2 messages: ACK(r, k+1) ----> credit: the writer sends message k
-                                               only when every reader acked > k-window
+      (at the next dequeue, before it waits)   only when every reader acked > k-window
     gap or silence: RESUME(r, k) ------------> resend the kept messages k, k+1, ...
-    shutdown: CLOSE ------------------------> reader r consumes no more
-             <-------------------------------- CLOSE: the writer shut the queue
+    shutdown: CLOSE(r) ----------------------> reader r consumes no more
+    fewer than n: RESUME  <--------- CLOSE(r, n published): the writer's shutdown
+    all n: ACK(r, n) ------------------------> (after a dropped connection it stays
+                                               up to CLOSE_LINGER_S to resend)
 
 Back-pressure is the ring's: the writer is at most ``max_chunks`` messages
 ahead of its slowest remote reader (``window``) and waits for ACKs rather
@@ -46,6 +48,17 @@ sequence number it expects next) before it unpickles anything; a frame that
 fails is dropped and counted in ``drops`` (by reason), logged at most once
 per interval, and the reader keeps serving the real writer.
 
+The hot path (one remote reader, credit in hand, a pickle of at most
+``auth.INLINE_BYTES``) is one frame each way: ``enqueue`` seals it
+(``FrameAuth.seal_small``) and makes two plain sends (the reader's identity,
+the frame), with no look at the socket; ``dequeue`` makes one blocking read
+and accepts the frame only if its header is byte for byte the one it
+expects next and its MAC verifies (``FrameAuth.open_expected``), else the
+general path checks and counts it.  The reader's ACK waits for its next
+``dequeue`` so that it leaves with whatever its process sent meanwhile (one
+I/O-thread wake-up, not two); a writer short of credit reads it with one
+blocking read.
+
 Liveness across hosts is not this module's job: the executor's node
 channel (heartbeats) shuts a queue down when its peer host is lost, which
 wakes every wait here within one ``tick_s``.  One thread may use an end at
@@ -64,8 +77,8 @@ from typing import Any
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc.auth import (
-    CLOSE,
     DATA,
+    INLINE_BYTES,
     DropCounter,
     FrameAuth,
     derive_key,
@@ -86,6 +99,7 @@ from mpexec.ipc.remote_socket import (
     acquire_context,
     channel_name,
     endpoint,
+    plain_send,
     release_context,
     zmq_module,
 )
@@ -146,6 +160,10 @@ class RemoteWriter(WriterControl, MessageQueue):
         self._identity: dict[int, bytes] = {}
         self._nonce: dict[int, int] = {}
         self._reader_closed: set[int] = set()
+        # (rank, identity) of the one remote reader of a queue that has no
+        # other reader, once ready, while open and that reader has not CLOSEd:
+        # enqueue's hot path.  None: the general path.
+        self._solo: tuple[int, bytes] | None = None
         self.connect_ip = connect_ip or "127.0.0.1"
         # The process's shared context, ended with its last queue (remote_socket).
         self._context = acquire_context()
@@ -160,6 +178,8 @@ class RemoteWriter(WriterControl, MessageQueue):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
             sock.setsockopt(zmq.LINGER, LINGER_MS)
+            # Reads block at most a tick: shutdown and deadlines are seen.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
             if ":" in self.connect_ip:
                 sock.setsockopt(zmq.IPV6, 1)
             port = sock.bind_to_random_port(endpoint(self.connect_ip, "").rstrip(":"))
@@ -170,10 +190,16 @@ class RemoteWriter(WriterControl, MessageQueue):
                 self._local.shutdown()
             raise
         self._sock = sock
+        # Connections that drop (seen at shutdown: ``_close_readers``).
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._dropped_at = -float("inf")
+        self._closing = False
         # One poller for the queue's life: Socket.poll() builds one per call.
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
-        self._events, self._pollin = zmq.EVENTS, zmq.POLLIN
+        self._events, self._pollin, self._again = zmq.EVENTS, zmq.POLLIN, zmq.Again
+        self._plain_send, self._sndmore = plain_send(zmq), zmq.SNDMORE
+        self._zmq_error, self._unreachable = zmq.ZMQError, zmq.EHOSTUNREACH
         self.remote_subscribe_addr = endpoint(self.connect_ip, port)
 
     @property
@@ -221,6 +247,9 @@ class RemoteWriter(WriterControl, MessageQueue):
                 self._ready = True
                 for rank in self.remote_reader_ranks:
                     self._welcome(rank)
+                if self._local is None and len(self.remote_reader_ranks) == 1:
+                    rank = self.remote_reader_ranks[0]
+                    self._solo = (rank, self._identity[rank])
                 self._service = threading.Thread(target=self._serve, daemon=True,
                                                  name=f"MpexecQueue-{self.name}")
                 self._service.start()
@@ -247,22 +276,39 @@ class RemoteWriter(WriterControl, MessageQueue):
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast ``obj`` to local and remote readers; blocks while any is a window behind."""
-        self._check_open()
-        data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._io:
+        if self._closed:
             self._check_open()
+        data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
+        with self._io:
             seq = self._seq
-            log = self._log
-            # Credit in hand (the common case) needs no look at the socket;
-            # ACKs are read when it runs short.
-            if not (self._ready and log.has_credit_for(seq) and not self._reader_closed):
-                self._wait_remote(lambda: self._has_credit(seq), deadline,
-                                  "enqueue (a remote reader is a window behind)")
+            solo = self._solo
+            if (solo is not None and self._log.floor > seq - self._window
+                    and data.__class__ is bytes and len(data) <= INLINE_BYTES):
+                # The hot path: one remote reader, credit in hand (no look at
+                # the socket: ACKs are read when it runs short), a small pickle.
+                rank, identity = solo
+                first = self._out.seal_small(DATA, rank, seq, data, 1)
+                self._log.keep(seq, [first], [])
+                sock, send = self._sock, self._plain_send
+                try:
+                    send(sock, identity, self._sndmore)
+                    send(sock, first, 0)
+                except self._zmq_error as exc:
+                    if exc.errno != self._unreachable:
+                        raise  # unreachable: kept in the log; resent when it asks (RESUME)
+                self._seq = seq + 1
+                return
+            self._check_open()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not self._ready or self._reader_closed or self._log.floor <= seq - self._window:
+                self._await_credit(seq, deadline)
             if self._local is not None:
                 self._local.enqueue(EncodedMessage(data), None if deadline is None
                                     else max(0.0, deadline - time.monotonic()))
-            self._publish(seq, data)
+            if data.__class__ is bytes and len(data) <= INLINE_BYTES:
+                self._publish_small(seq, data)
+            else:
+                self._publish(seq, data)
             self._seq = seq + 1
 
     def _has_credit(self, seq: int) -> bool:
@@ -272,6 +318,21 @@ class RemoteWriter(WriterControl, MessageQueue):
                                    "will not consume more messages")
         return (len(self._identity) == len(self._log.acked) and self._ready
                 and self._log.has_credit_for(seq))
+
+    def _publish_small(self, seq: int, data: bytes) -> None:
+        """One small pickle: one frame per reader, sealed (its MAC) per reader."""
+        seal, ranks = self._out.seal_small, self.remote_reader_ranks
+        firsts = [seal(DATA, ranks[0], seq, data, 1)] if len(ranks) == 1 else [
+            seal(DATA, rank, seq, data, 1) for rank in ranks]
+        self._log.keep(seq, firsts, [])
+        send, sock, more, identity = self._plain_send, self._sock, self._sndmore, self._identity
+        for rank, first in zip(ranks, firsts, strict=True):
+            try:
+                send(sock, identity[rank], more)
+                send(sock, first, 0)
+            except self._zmq_error as exc:
+                if exc.errno != self._unreachable:
+                    raise  # unreachable: kept in the log; resent when it asks (RESUME)
 
     def _publish(self, seq: int, data: bytes | Frame) -> None:
         if data.__class__ is bytes:
@@ -293,17 +354,19 @@ class RemoteWriter(WriterControl, MessageQueue):
         if self._closed:
             return
         self._closed = True
+        self._solo = None
         self._stop.set()
         if self._pid != os.getpid():
             return  # a forked copy: the sockets belong to the parent
         # A blocked enqueue sees ``closed`` within a tick and lets go.
         if self._io.acquire(timeout=CLOSE_GRACE_S):
             try:
-                for rank in list(self._identity):
-                    try:
-                        self._send(rank, self._out.seal(CLOSE, rank, self._seq, []))
-                    except Exception:
-                        pass
+                try:
+                    self._close_readers()
+                except Exception:  # pragma: no cover - closing goes on regardless
+                    logger.warning("queue %r: closing the remote readers failed", self.name,
+                                   exc_info=True)
+                self._end_monitor()  # before the context ends: it is a socket too
                 self._sock.close(LINGER_MS)
                 release_context(self._context)
             finally:

@@ -6,10 +6,11 @@ DATA frame with the next sequence number and ACKs every half window (at once
 after a large message, so the writer's resend log lets it go).  A DATA frame
 further on means frames were lost with a connection: the reader asks with
 RESUME for the one it expects, as it does after ``SILENCE_S`` with nothing
-heard (the last frames, or an ACK, may have been lost); the writer resends.
-Old frames in the range it asked for are duplicates (``recovery``), older
-ones replays (``drops``); anything failing authentication is dropped unopened
-and counted in ``drops``.  A refusal during the handshake is an
+heard (the last frames, or an ACK, may have been lost), or when a CLOSE
+counts more messages than arrived; the writer resends.  Old frames in the
+range it asked for are duplicates (``recovery``), older ones replays
+(``drops``); anything failing authentication is dropped unopened and
+counted in ``drops``.  A refusal during the handshake is an
 :class:`~mpexec.ipc.auth.AuthenticationError`; a message that verifies but
 does not unpickle is an :class:`~mpexec.errors.UndecodableMessageError`
 (consumed: the reader stays usable).
@@ -39,7 +40,7 @@ from mpexec.ipc.auth import (
     derive_key,
     is_refusal,
 )
-from mpexec.ipc.curve import secure
+from mpexec.ipc.curve import HandshakeWatch, secure
 from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
 from mpexec.ipc.remote_socket import (
     CLOSE_GRACE_S,
@@ -48,6 +49,7 @@ from mpexec.ipc.remote_socket import (
     LINGER_MS,
     acquire_context,
     channel_name,
+    plain_send,
     release_context,
     zmq_module,
 )
@@ -55,10 +57,10 @@ from mpexec.ipc.remote_socket import (
 _HELLO_REPEAT_S = 1.0
 SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
 GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
+# CLOSE came before messages it counts: how long to wait for them to be resent
+# (the writer stays up to remote_control.CLOSE_LINGER_S for it) before giving up.
+CLOSE_GAP_WAIT_S = 2.0
 _CURVE_CHECK_S = 0.1
-# Handshakes failed "with no detail" in a row that mean CURVE keys from another
-# secret; one alone is a writer that died during it.
-_NO_DETAIL_RUN = 3
 
 
 class RemoteReader(MessageQueue):
@@ -100,6 +102,7 @@ class RemoteReader(MessageQueue):
         self._acked = 0
         self._control = 0              # grows with every ACK/RESUME (replay guard)
         self._heard_at = time.monotonic()
+        self._heard_seq = 0
         self._resume_at = -float("inf")
         self._resume_seq = -1
         self._dup_floor = 1 << 64      # duplicates tolerated from here (asked resends)
@@ -112,6 +115,8 @@ class RemoteReader(MessageQueue):
         self.drops = DropCounter(f"queue {handle.name!r} (remote reader rank {rank})")
         self._nonce = secrets.randbits(63)
         self._writer_closed = False
+        self._close_seq: int | None = None  # CLOSE came with a gap: the count it gave
+        self._close_seen_at = 0.0
         self._context = acquire_context()
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -127,23 +132,14 @@ class RemoteReader(MessageQueue):
             secure(sock, secret, server=False)
         # Until WELCOME: a ZeroMQ handshake that fails (CURVE on one end only,
         # or CURVE keys from another secret) is reported, not waited out.
-        # A mechanism mismatch is a protocol failure, at once.  CURVE keys from
-        # another secret fail "with no detail" on every reconnect (~0.1 s
-        # apart); a writer that dies mid-handshake fails so once, then
-        # refuses connections: only a run of them means the keys.
-        self._handshake_refused = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._handshake_no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        self._handshake_ok = zmq.EVENT_HANDSHAKE_SUCCEEDED
-        self._no_detail_run = 0
-        self._monitor: Any = sock.get_monitor_socket(
-            self._handshake_refused | self._handshake_no_detail | self._handshake_ok)
+        self._watch: HandshakeWatch | None = HandshakeWatch(sock)
         sock.connect(handle.remote_subscribe_addr)
         self._sock = sock
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(tick_s * 1000)))
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._rcvmore, self._noblock, self._again = zmq.RCVMORE, zmq.NOBLOCK, zmq.Again
+        self._send = plain_send(zmq)
         self._hello()
 
     def _hello(self) -> None:
@@ -186,28 +182,17 @@ class RemoteReader(MessageQueue):
 
     def _check_curve_handshake(self) -> None:
         """A CURVE mismatch fails inside ZeroMQ, before any frame: the socket
-        monitor tells, and that is as clear an error as a refusal."""
-        if self._monitor is None:
-            return
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event & self._handshake_ok:
-                self._no_detail_run = 0
-            elif event & self._handshake_no_detail:
-                self._no_detail_run += 1
-            if event & self._handshake_refused or self._no_detail_run >= _NO_DETAIL_RUN:
-                raise AuthenticationError(
-                    f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
-                    f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
-                    "one end only, or this host's cluster secret differs from the writer's")
+        monitor tells (``curve.HandshakeWatch``), as clear an error as a refusal."""
+        if self._watch is not None and self._watch.failed():
+            raise AuthenticationError(
+                f"queue {self.name!r}: the ZeroMQ handshake of remote reader rank "
+                f"{self.rank} with the writer failed: CURVE (cluster_curve) is on at "
+                "one end only, or this host's cluster secret differs from the writer's")
 
     def _end_monitor(self) -> None:
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
+        if self._watch is not None:
+            self._watch.end()
+            self._watch = None
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; frames that fail authentication are dropped."""
@@ -216,15 +201,22 @@ class RemoteReader(MessageQueue):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._busy = True
         try:
+            if self._seq - self._acked >= self._ack_every:
+                # Due since the last message: sent now, just before this read
+                # waits, so that it leaves with whatever the caller sent in
+                # between (one I/O thread wake-up for both, not one each).
+                self._tell(ACK)
             while True:
                 message = self._receive(deadline, "dequeue")
                 if message is not None:
                     break
-            if self._seq - self._acked >= self._ack_every or len(message.parts) > 1:
-                self._tell(ACK)
+            if message.__class__ is not bytes and len(message.parts) > 1:  # type: ignore[union-attr]
+                self._tell(ACK)  # large parts: let the writer free them at once
         finally:
             self._busy = False
         try:
+            if isinstance(message, bytes):
+                return pickle.loads(message)
             return _decode(message)
         except Exception as exc:
             raise UndecodableMessageError(
@@ -235,11 +227,11 @@ class RemoteReader(MessageQueue):
     def _tell(self, kind: int) -> None:
         """ACK or RESUME: the next sequence this reader expects (never blocks:
         one lost is made good by the next)."""
-        self._control = (self._control + 1) & 0xFFFFFFFF
-        self._acked = self._seq
+        self._control = control = (self._control + 1) & 0xFFFFFFFF
+        self._acked = seq = self._seq
         try:
-            self._sock.send_multipart(self._out.seal(kind, self.rank, self._seq, [],
-                                                     aux=self._control), self._noblock)
+            self._send(self._sock, self._out.seal_control(kind, self.rank, seq, control),
+                       self._noblock)
         except self._again:
             pass
 
@@ -257,33 +249,58 @@ class RemoteReader(MessageQueue):
         self._resume_at, self._resume_seq = now, seq
         self._tell(RESUME)
 
-    def _receive(self, deadline: float | None, what: str) -> Opened | None:
-        """Wait for one frame and handle it; a DATA frame in order is returned."""
+    def _receive(self, deadline: float | None, what: str) -> Opened | bytes | None:
+        """Wait for one frame and handle it; a DATA message in order is returned:
+        its one small part as bytes (the hot path), else as :class:`Opened`."""
         # A blocking read that gives up after a tick (RCVTIMEO): one call when
         # a frame is there or comes, no poller; the tick lets shutdown and the
-        # deadline be seen.
+        # deadline be seen.  A wait shorter than a tick (timeout=0: a look)
+        # polls first, so that it never blocks for a whole tick.
         again = self._again
+        sock = self._sock
         while True:
-            try:
-                return self._accept(self._recv_frames())
-            except again:
-                pass
+            left = self._tick_s if deadline is None else deadline - time.monotonic()
+            if left >= self._tick_s or self._poller.poll(
+                    0 if left <= 0 else int(left * 1000) + 1):
+                try:
+                    first = sock.recv()  # small: bytes beat a zmq.Frame
+                except again:
+                    first = None
+            else:
+                first = None
+            if first is not None:
+                if self._welcomed:
+                    # The frame expected next, checked whole (header, MAC) in one
+                    # step; anything else takes the general path, which counts it.
+                    part = self._in.open_expected(first, DATA, self.rank, self._seq, 1)
+                    if part is not None:
+                        self._seq += 1  # heard: noted at the next idle tick
+                        return part
+                return self._accept(self._rest(first))
             if self._closed:
                 raise QueueClosedError(f"queue {self.name!r} was shut down")
-            if self._writer_closed:
-                raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
             now = time.monotonic()
+            if self._close_seq is not None and (self._seq >= self._close_seq or (
+                    now - self._close_seen_at >= CLOSE_GAP_WAIT_S)):
+                self._writer_closed = True  # all of it came, or the writer is gone
+            if self._writer_closed:
+                raise QueueClosedError(self._closed_by_writer())
+            if self._seq != self._heard_seq:  # messages came since the last tick
+                self._heard_seq, self._heard_at = self._seq, now
             if self._welcomed and now - max(self._heard_at, self._resume_at) >= SILENCE_S:
                 self._resume("silence")
-            if deadline is not None and (now >= deadline or (
-                    deadline - now < self._tick_s  # the last wait, shorter than a tick
-                    and not self._poller.poll(max(1, int((deadline - now) * 1000))))):
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"queue {self.name!r}: {what} timed out (remote "
                                    f"reader rank {self.rank}, {self._seq} messages read)")
 
-    def _recv_frames(self) -> list[Any]:
+    def _closed_by_writer(self) -> str:
+        missing = (self._close_seq or 0) - self._seq
+        lost = f"; {missing} message(s) before its CLOSE never came" if missing > 0 else ""
+        return f"queue {self.name!r}: the writer shut the queue down{lost}"
+
+    def _rest(self, first: bytes) -> list[Any]:
+        """``first`` and the frames of the same message after it."""
         sock = self._sock
-        first = sock.recv()  # small: bytes beat a zmq.Frame
         if not sock.getsockopt(self._rcvmore):
             return [first]
         frames: list[Any] = [first]
@@ -320,7 +337,17 @@ class RemoteReader(MessageQueue):
         elif opened.kind == WELCOME and opened.seq == self._nonce and not self._welcomed:
             self._welcomed = True
         elif opened.kind == CLOSE and opened.seq >= self._seq:
-            self._writer_closed = True
+            # CLOSE says how many messages the writer published: with all of
+            # them here, done (an ACK lets a lingering writer go at once);
+            # with fewer, the rest was lost with a connection: ask for it.
+            if opened.seq == self._seq:
+                self._writer_closed = True
+                self._tell(ACK)
+            else:
+                if self._close_seq is None:
+                    self._close_seq, self._close_seen_at = opened.seq, time.monotonic()
+                    self.recovery["gap before close"] += 1
+                self._resume("gap")
         else:
             self.drops.drop("replayed")
         return None

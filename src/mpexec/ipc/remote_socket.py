@@ -25,6 +25,16 @@ def zmq_module() -> Any:
     return zmq
 
 
+def plain_send(zmq: Any) -> Any:
+    """``Socket.send`` without pyzmq's Python wrapper (routing ids, groups:
+    never used here), called as ``send(sock, data, flags)``: a message in
+    the hot path is one or two sends, and the wrapper costs as much as the
+    send itself.  Only for ``bytes`` (copied into ZeroMQ's own message)."""
+    backend = getattr(getattr(zmq, "backend", None), "Socket", None)
+    send = getattr(backend, "send", None)
+    return send if callable(send) else zmq.Socket.send
+
+
 def endpoint(ip: str, port: int | str) -> str:
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
