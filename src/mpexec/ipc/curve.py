@@ -24,6 +24,7 @@ import hashlib
 import hmac
 from typing import Any
 
+from mpexec.errors import MpexecError
 from mpexec.ipc.auth import secret_bytes
 
 # Handshakes failed "with no detail" in a row that mean CURVE keys from another
@@ -31,7 +32,7 @@ from mpexec.ipc.auth import secret_bytes
 NO_DETAIL_RUN = 3
 
 
-class CurveUnavailableError(RuntimeError):
+class CurveUnavailableError(MpexecError, RuntimeError):
     """libzmq was built without CURVE (libsodium / tweetnacl)."""
 
 

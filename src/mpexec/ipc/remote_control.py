@@ -195,9 +195,11 @@ class WriterControl:
 
     def _resend(self, rank: int, seq: int) -> None:
         for frames in self._log.frames_from(rank, seq):
-            if not self._send(rank, frames):
-                return  # gone again: it will ask once more
+            # Counted first: the reader may hold the message before _send returns.
             self.resent += 1
+            if not self._send(rank, frames):
+                self.resent -= 1
+                return  # gone again: it will ask once more
         if self._closing:
             self._close_reader(rank)  # CLOSE again, after what it lacked
 
