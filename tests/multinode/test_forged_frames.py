@@ -21,6 +21,8 @@ from mpexec.ipc import MessageQueue  # noqa: E402
 from mpexec.ipc.auth import DATA, DropCounter, FrameAuth, derive_key  # noqa: E402
 from tests.multinode.remote_helpers import SECRET, ready_all, trio_queues  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("leak_check")
+
 
 @pytest.fixture
 def trio() -> Iterator[tuple[MessageQueue, MessageQueue, MessageQueue]]:

@@ -13,6 +13,8 @@ zmq = pytest.importorskip("zmq")
 
 from mpexec.ipc import MessageQueue  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("leak_check")
+
 SECRET = "a-test-cluster-secret-0123456789"
 
 

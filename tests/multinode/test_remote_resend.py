@@ -18,6 +18,8 @@ from mpexec.ipc import MessageQueue
 from mpexec.ipc.resend import ResendLog
 from tests.multinode.tcp_proxy import TcpProxy
 
+pytestmark = pytest.mark.usefixtures("leak_check")
+
 SECRET = "a-test-cluster-secret-0123456789"
 
 
