@@ -98,6 +98,24 @@ class _Tap:
         self.context.term()
 
 
+@pytest.fixture
+def tapped() -> Iterator[tuple[MessageQueue, MessageQueue, _Tap]]:
+    """A writer and its remote reader (rank 0), ready, talking through a :class:`_Tap`."""
+    writer = MessageQueue(1, 0, secret=SECRET, name="sec")  # the forgeries name "sec"
+    handle = writer.export_handle()
+    assert handle.remote_subscribe_addr is not None
+    tap = _Tap(handle.remote_subscribe_addr)
+    reader = MessageQueue.create_from_handle(
+        dataclasses.replace(handle, remote_subscribe_addr=tap.addr), 0, secret=SECRET)
+    try:
+        ready_all(writer, [reader])
+        yield writer, reader, tap
+    finally:
+        reader.shutdown()
+        tap.close()
+        writer.shutdown()
+
+
 def _forgeries(path: str, recorded: list[list[bytes]], n: int, token: int) -> list[list[bytes]]:
     payload = pickle.dumps(_MakesAFile(path))
     wrong = FrameAuth(derive_key("an-attacker-guessed-this-secret!", f"mq/sec/{token:x}",
@@ -127,66 +145,48 @@ def _forgeries(path: str, recorded: list[list[bytes]], n: int, token: int) -> li
 
 @pytest.mark.timeout(120)
 def test_forged_truncated_replayed_oversized_frames_are_never_unpickled(
-        tmp_path: Path) -> None:
+        tmp_path: Path, tapped: Any) -> None:
     canary = tmp_path / "created-by-unpickling"
-    writer = MessageQueue(1, 0, secret=SECRET, name="sec")
-    handle = writer.export_handle()
-    tap = _Tap(handle.remote_subscribe_addr)
-    reader = MessageQueue.create_from_handle(
-        dataclasses.replace(handle, remote_subscribe_addr=tap.addr), 0, secret=SECRET)
-    try:
-        ready_all(writer, [reader])
-        for i in range(5):
-            writer.enqueue(("real", i))
-            assert reader.dequeue(10) == ("real", i)
-        tap.send(_forgeries(str(canary), tap.recorded, 10_000, handle.remote_token or 0))
-        # Interleaved with the flood, the real writer keeps being served in order.
-        for i in range(5, 50):
-            writer.enqueue(("real", i))
-            assert reader.dequeue(30) == ("real", i)
-        deadline = time.monotonic() + 60
-        while reader.drops.total < 10_000 and time.monotonic() < deadline:
-            with pytest.raises(TimeoutError):
-                reader.dequeue(0.2)
-        assert reader.drops.total == 10_000
-        assert set(reader.drops.by_reason) <= {"bad mac", "truncated", "replayed",
-                                                "oversized", "bad header"}
-        assert not canary.exists()
-        writer.enqueue("after the flood")
-        assert reader.dequeue(10) == "after the flood"
-    finally:
-        reader.shutdown()
-        tap.close()
-        writer.shutdown()
+    writer, reader, tap = tapped
+    token = writer.export_handle().remote_token or 0
+    for i in range(5):
+        writer.enqueue(("real", i))
+        assert reader.dequeue(10) == ("real", i)
+    tap.send(_forgeries(str(canary), tap.recorded, 10_000, token))
+    # Interleaved with the flood, the real writer keeps being served in order.
+    for i in range(5, 50):
+        writer.enqueue(("real", i))
+        assert reader.dequeue(30) == ("real", i)
+    deadline = time.monotonic() + 60
+    while reader.drops.total < 10_000 and time.monotonic() < deadline:
+        with pytest.raises(TimeoutError):
+            reader.dequeue(0.2)
+    assert reader.drops.total == 10_000
+    assert set(reader.drops.by_reason) <= {"bad mac", "truncated", "replayed",
+                                            "oversized", "bad header"}
+    assert not canary.exists()
+    writer.enqueue("after the flood")
+    assert reader.dequeue(10) == "after the flood"
     assert not canary.exists()
 
 
-def test_frames_glued_to_a_real_message_are_dropped_and_it_is_still_taken() -> None:
+def test_frames_glued_to_a_real_message_are_dropped_and_it_is_still_taken(
+        tapped: Any) -> None:
     # The reader takes the frame it expects next without asking whether more
     # follow (ZMQ_RCVMORE costs a lookup): what is glued after it is read as
     # a message of its own (its frames together), dropped, counted, never
     # unpickled.
-    writer = MessageQueue(1, 0, secret=SECRET, name="glued")
-    handle = writer.export_handle()
-    tap = _Tap(handle.remote_subscribe_addr)
-    reader = MessageQueue.create_from_handle(
-        dataclasses.replace(handle, remote_subscribe_addr=tap.addr), 0, secret=SECRET)
-    try:
-        ready_all(writer, [reader])
-        writer.enqueue("before")
-        assert reader.dequeue(10) == "before"
-        with tap.lock:
-            tap.append_to_next = [pickle.dumps("glued 1"), os.urandom(100)]
-        writer.enqueue("real")
-        assert reader.dequeue(10) == "real"
-        writer.enqueue("next")
-        assert reader.dequeue(10) == "next"
-        assert reader.drops.total == 1 and set(reader.drops.by_reason) <= {
-            "truncated", "bad header"}
-    finally:
-        reader.shutdown()
-        tap.close()
-        writer.shutdown()
+    writer, reader, tap = tapped
+    writer.enqueue("before")
+    assert reader.dequeue(10) == "before"
+    with tap.lock:
+        tap.append_to_next = [pickle.dumps("glued 1"), os.urandom(100)]
+    writer.enqueue("real")
+    assert reader.dequeue(10) == "real"
+    writer.enqueue("next")
+    assert reader.dequeue(10) == "next"
+    assert reader.drops.total == 1 and set(reader.drops.by_reason) <= {
+        "truncated", "bad header"}
 
 
 def test_forged_control_frames_at_the_writer_port_are_dropped(trio: Any) -> None:

@@ -71,18 +71,25 @@ def test_every_message_arrives_once_in_order_across_cut_connections(proxied: Any
     assert reader.drops.total == 0 and writer.drops.total == 0
 
 
-@pytest.mark.timeout(60)
-def test_the_last_message_lost_is_resent_though_the_writer_is_idle(proxied: Any) -> None:
-    writer, reader, proxy = proxied
+def _lose_in_flight(writer: MessageQueue, reader: MessageQueue, proxy: TcpProxy,
+                    message: str) -> None:
+    """One message delivered, then ``message`` certainly lost: the proxy
+    swallows its bytes and the connection is cut."""
     writer.enqueue("first")
     assert reader.dequeue(10) == "first"
     proxy.swallow = True  # the writer's next bytes never reach the reader
-    writer.enqueue("lost in flight")
+    writer.enqueue(message)
     deadline = time.monotonic() + 10
     while proxy.swallowed == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proxy.swallowed > 0
     proxy.cut()
+
+
+@pytest.mark.timeout(60)
+def test_the_last_message_lost_is_resent_though_the_writer_is_idle(proxied: Any) -> None:
+    writer, reader, proxy = proxied
+    _lose_in_flight(writer, reader, proxy, "lost in flight")
     # The writer publishes nothing more: the reader's RESUME (after silence)
     # reaches the writer's service thread, which resends.
     assert reader.dequeue(20) == "lost in flight"
@@ -96,15 +103,7 @@ def test_the_last_message_lost_is_resent_though_the_writer_is_idle(proxied: Any)
 def test_a_message_lost_just_before_close_is_resent_before_the_reader_stops(
         proxied: Any) -> None:
     writer, reader, proxy = proxied
-    writer.enqueue("first")
-    assert reader.dequeue(10) == "first"
-    proxy.swallow = True  # the writer's next bytes never reach the reader
-    writer.enqueue("lost just before close")
-    deadline = time.monotonic() + 10
-    while proxy.swallowed == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proxy.swallowed > 0
-    proxy.cut()
+    _lose_in_flight(writer, reader, proxy, "lost just before close")
     # CLOSE says two messages were published; the reader has one, so it asks
     # for the other (RESUME) and the closing writer resends it first.
     closing = threading.Thread(target=writer.shutdown)
