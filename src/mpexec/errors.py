@@ -34,7 +34,13 @@ class MpexecError(Exception):
 
 
 class QueueClosedError(MpexecError, RuntimeError):
-    """The queue was shut down; nothing more can be sent or received on it."""
+    """The queue was shut down; nothing more can be sent or received on it.
+
+    ``reader_rank`` is the reader that shut its end, when a writer learns of
+    it from that reader (a remote reader's CLOSE); None otherwise.
+    """
+
+    reader_rank: int | None = None
 
 
 class UndecodableMessageError(MpexecError, ValueError):

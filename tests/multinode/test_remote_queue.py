@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,17 @@ def test_writer_shutdown_ends_remote_reader(trio: Any) -> None:
     assert remote.dequeue(5) == "last"
     with pytest.raises(QueueClosedError, match="writer shut"):
         remote.dequeue(5)
+
+
+def test_a_remote_reader_that_shuts_down_is_named_to_the_writer(trio: Any) -> None:
+    writer, local, remote = trio
+    remote.shutdown()  # says CLOSE to the writer
+    deadline = time.monotonic() + 10
+    with pytest.raises(QueueClosedError, match="reader rank 1 shut down") as closed:
+        while time.monotonic() < deadline:  # until the CLOSE has been read
+            writer.enqueue("more", timeout=1)
+            assert local.dequeue(5) == "more"
+    assert closed.value.reader_rank == 1  # the executor maps it to that rank's node
 
 
 def test_a_look_at_an_empty_remote_reader_does_not_wait_a_tick(trio: Any) -> None:

@@ -267,6 +267,8 @@ class MultiprocExecutor(Executor):
     def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
         if rank is None and isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
             rank = self._start_rank + int(exc.role.split()[1])
+        elif rank is None and exc.reader_rank is not None:  # a remote reader's CLOSE
+            rank = self._start_rank + exc.reader_rank
         candidates = self.workers if rank is None else [self._handle(rank)]
         gone = first_gone(candidates, max((self._dying_wait_s(h) for h in candidates),
                                           default=0.0))

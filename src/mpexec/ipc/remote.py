@@ -314,8 +314,10 @@ class RemoteWriter(WriterControl, MessageQueue):
     def _has_credit(self, seq: int) -> bool:
         if self._reader_closed:
             rank = min(self._reader_closed)
-            raise QueueClosedError(f"queue {self.name!r}: reader rank {rank} shut down and "
-                                   "will not consume more messages")
+            closed = QueueClosedError(f"queue {self.name!r}: reader rank {rank} shut down and "
+                                      "will not consume more messages")
+            closed.reader_rank = rank
+            raise closed
         return (len(self._identity) == len(self._log.acked) and self._ready
                 and self._log.has_credit_for(seq))
 
