@@ -146,6 +146,19 @@ class Lifecycle:
         self._close_queues()
         return True
 
+    def worker_gone(self, handle: WorkerHandle, how: str = "", *,
+                    teardown: bool = True) -> None:
+        """A caller found ``handle`` gone (its queue closed): fail the executor
+        and, with ``teardown`` (no monitor will see a death), run the failure
+        callbacks and the teardown on a thread of their own."""
+        if self.worker_died(handle, how) and teardown:
+            threading.Thread(target=self._after_death, daemon=True,
+                             name="MpexecAfterDeath").start()
+
+    def _after_death(self) -> None:
+        self.fire_callbacks()
+        self.teardown()
+
     def fire_callbacks(self) -> None:
         with self.lock:
             callbacks, self._callbacks = self._callbacks, []

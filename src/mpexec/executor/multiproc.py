@@ -45,7 +45,7 @@ from typing import Any
 import cloudpickle
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
+from mpexec.errors import QueueClosedError, WorkerStartupError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
 from mpexec.executor.cluster import (
     NodeServer,
@@ -65,7 +65,7 @@ from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.spec import PortReservation, spec_factories, worker_contexts
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
-from mpexec.executor.verdict import first_gone
+from mpexec.executor.verdict import closing_rank, first_gone
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import KVOutputAggregator
 from mpexec.system import get_mp_context, maybe_force_spawn
@@ -237,44 +237,31 @@ class MultiprocExecutor(Executor):
         """What a caller sees when a queue closed under it: if a worker is
         gone (or going), the executor fails here and now, ``WorkerDiedError``."""
         life = self.lifecycle
-        if life.state in (State.READY, State.STARTING):
-            handle = self._dead_worker(rank, exc)
-            # A follower node that closed its queue yet was not declared lost
-            # in time: unusable all the same, and the error says what it did.
-            how = f"{handle.name} closed its queue ({exc})" if handle is not None \
-                and handle.pid is None and handle.is_alive() else ""
-            # The monitor runs the callbacks and the teardown when it sees the
-            # death; without a monitor, or for a worker that closed its queue
-            # yet lives on (no death for the monitor to see), a thread does.
-            if handle is not None and life.worker_died(handle, how) and (
-                    not self.monitor_workers or handle.is_alive()):
-                threading.Thread(target=self._after_death, daemon=True,
-                                 name="MpexecAfterDeath").start()
+        handle = self._dead_worker(rank, exc) if life.state in (
+            State.READY, State.STARTING) else None
+        if handle is not None:
+            # Closed its queue yet alive (a follower node not declared lost in
+            # time): unusable all the same, the error says what it did, and no
+            # monitor will see a death to tear down after.
+            lives = handle.is_alive()
+            how = f"{handle.name} closed its queue ({exc})" if lives and handle.pid is None else ""
+            life.worker_gone(handle, how, teardown=not self.monitor_workers or lives)
         return life.closed_error()
 
-    def _after_death(self) -> None:
-        self.lifecycle.fire_callbacks()
-        self.lifecycle.teardown()
-
     def _dying_wait_s(self, handle: WorkerHandle) -> float:
-        """How long ``handle``'s death may trail its queue closing: a moment
-        for a local worker; for a follower node (its workers close their
-        queues before the node monitor declares it lost) the monitor's verdict."""
+        """How long ``handle``'s death may trail its queue closing: a moment; for
+        a follower node (its queues close first) the node monitor's verdict."""
         if isinstance(handle, RemoteNodeHandle):
             return max(_DYING_WAIT_S, self.death_verdict_s)
         return _DYING_WAIT_S
 
     def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
-        if rank is None and isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
-            rank = self._start_rank + int(exc.role.split()[1])
-        elif rank is None and exc.reader_rank is not None:  # a remote reader's CLOSE
-            rank = self._start_rank + exc.reader_rank
+        if rank is None:
+            rank = closing_rank(exc, self._start_rank)
         candidates = self.workers if rank is None else [self._handle(rank)]
-        gone = first_gone(candidates, max((self._dying_wait_s(h) for h in candidates),
-                                          default=0.0))
-        if gone is None and rank is not None:
-            return candidates[0]  # closed its queue yet still there: unusable all the same
-        return gone
+        gone = first_gone(candidates, max(map(self._dying_wait_s, candidates), default=0.0))
+        # A rank that closed its queue yet is still there: unusable all the same.
+        return candidates[0] if gone is None and rank is not None else gone
 
     # -- calls -----------------------------------------------------------------------
 

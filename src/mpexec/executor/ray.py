@@ -267,8 +267,8 @@ class RayExecutor(MultiprocExecutor):
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle: Any = self._dead_worker(rank, exc)
-            if handle is not None and life.worker_died(handle, handle.why_gone()):
-                threading.Thread(target=self._after_death, daemon=True).start()
+            if handle is not None:
+                life.worker_gone(handle, handle.why_gone())
         return life.closed_error()
 
     # -- calls ----------------------------------------------------------------------

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import QueueClosedError, WorkerDiedError, WorkerError
+from mpexec.errors import PeerDiedError, QueueClosedError, WorkerDiedError, WorkerError
 
 if TYPE_CHECKING:
     from mpexec.executor.abstract import Executor
@@ -71,6 +71,17 @@ def first_gone(handles: Sequence[H], wait_s: float) -> H | None:
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.005)
+
+
+def closing_rank(exc: QueueClosedError, start_rank: int) -> int | None:
+    """The global rank whose end of a queue closed, when ``exc`` says: a local
+    reader that died (``PeerDiedError``, role ``"reader <r>"``) or a remote
+    reader's CLOSE (``reader_rank``); else None."""
+    if isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
+        return start_rank + int(exc.role.split()[1])
+    if exc.reader_rank is not None:
+        return start_rank + exc.reader_rank
+    return None
 
 
 def may_follow_a_death(exc: BaseException) -> bool:
@@ -109,5 +120,6 @@ def death_behind(executor: Executor, exc: BaseException) -> WorkerDiedError | No
     return None
 
 
-__all__ = ["PEER_DEATH_SYMPTOMS", "death_behind", "death_verdict_s", "first_gone",
+__all__ = ["PEER_DEATH_SYMPTOMS", "closing_rank", "death_behind", "death_verdict_s",
+           "first_gone",
            "may_follow_a_death"]
