@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpexec.distributed.liveness import CollectiveGuard
+from mpexec.distributed.liveness import collective_guards
 from mpexec.distributed.p2p import ShmChannels
 from mpexec.distributed.shm_collectives import ShmCommunicator, node_identity
 
@@ -65,6 +65,7 @@ class GroupCoordinator:
         self.rank = rank
         self.world_size = len(ranks)
         self.rank_in_group = self.ranks.index(rank)
+        self._guard = collective_guards(name, self.rank_in_group)  # by call name
         self.device = device
         self.device_group = device_group
         self.cpu_group = cpu_group
@@ -112,9 +113,6 @@ class GroupCoordinator:
         """``{(src, dst): "shm" | "gloo"}`` (global ranks) for the pairs used so far."""
         return {} if self._channels is None else self._channels.routes()
 
-    def _guard(self, call: str) -> CollectiveGuard:
-        return CollectiveGuard(f"the {self.name} group's {call} (rank {self.rank_in_group})")
-
     def _group_for(self, tensor: torch.Tensor) -> Any:
         return self.cpu_group if tensor.device.type == "cpu" else self.device_group
 
@@ -158,14 +156,14 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         if tensor.device.type != "cpu":
-            with self._guard("all_reduce"):
+            with self._guard["all_reduce"]:
                 dist.all_reduce(tensor, group=self.device_group)
             return tensor
         tensor = tensor.contiguous()
         comm = self._shm_communicator()
         if comm is not None and comm.all_reduce(tensor):
             return tensor
-        with self._guard("all_reduce"):
+        with self._guard["all_reduce"]:
             dist.all_reduce(tensor, group=self.cpu_group)
         return tensor
 
@@ -191,7 +189,7 @@ class GroupCoordinator:
         moved = tensor.movedim(dim, 0).contiguous()
         extent = torch.tensor([moved.shape[0]], dtype=torch.int64, device=tensor.device)
         extents_t = [torch.empty_like(extent) for _ in range(self.world_size)]
-        with self._guard("all_gather"):
+        with self._guard["all_gather"]:
             dist.all_gather(extents_t, extent, group=group)
         extents = [int(e.item()) for e in extents_t]
         longest = max(extents)
@@ -199,7 +197,7 @@ class GroupCoordinator:
             padding = moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))
             moved = torch.cat([moved, padding])
         parts = [torch.empty_like(moved) for _ in range(self.world_size)]
-        with self._guard("all_gather"):
+        with self._guard["all_gather"]:
             dist.all_gather(parts, moved, group=group)
         joined = torch.cat([p[:n] for p, n in zip(parts, extents, strict=True)])
         return joined.movedim(0, dim).contiguous()
@@ -215,7 +213,7 @@ class GroupCoordinator:
         source = self._global(src, "src")
         if self.world_size == 1:
             return tensor
-        with self._guard("broadcast"):
+        with self._guard["broadcast"]:
             dist.broadcast(tensor, src=source, group=self._group_for(tensor))
         return tensor
 
@@ -225,7 +223,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank_in_group == src else None]
-        with self._guard("broadcast_object_list"):
+        with self._guard["broadcast_object_list"]:
             dist.broadcast_object_list(box, src=source, group=self.cpu_group)
         return box[0]
 
@@ -234,14 +232,14 @@ class GroupCoordinator:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        with self._guard("all_gather_object"):
+        with self._guard["all_gather_object"]:
             dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
     def barrier(self) -> None:
         """Return once every rank of the group has called it."""
         if self.world_size > 1:
-            with self._guard("barrier"):
+            with self._guard["barrier"]:
                 dist.barrier(group=self.cpu_group)
 
     # -- point to point (pipeline stages) -----------------------------------------
@@ -254,7 +252,7 @@ class GroupCoordinator:
         if queue is not None:
             queue.enqueue(tensor)
         elif tensor.numel():
-            with self._guard("send"):
+            with self._guard["send"]:
                 dist.send(tensor.contiguous(), dst=target, group=self._group_for(tensor))
 
     def recv(self, shape: torch.Size | tuple[int, ...] | list[int], dtype: torch.dtype,
@@ -272,7 +270,7 @@ class GroupCoordinator:
             return got
         tensor = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
         if tensor.numel():
-            with self._guard("recv"):
+            with self._guard["recv"]:
                 dist.recv(tensor, src=source, group=self._group_for(tensor))
         return tensor
 
@@ -295,14 +293,14 @@ class GroupCoordinator:
 
     def _gloo_send_object(self, obj: Any, target: int) -> None:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        with self._guard("send"):
+        with self._guard["send"]:
             dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=target,
                       group=self.cpu_group)
             dist.send(payload, dst=target, group=self.cpu_group)
 
     def _gloo_recv_object(self, source: int) -> Any:
         length = torch.empty(1, dtype=torch.int64)
-        with self._guard("recv"):
+        with self._guard["recv"]:
             dist.recv(length, src=source, group=self.cpu_group)
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
             dist.recv(payload, src=source, group=self.cpu_group)

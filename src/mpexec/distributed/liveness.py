@@ -118,3 +118,15 @@ class CollectiveGuard:
         raise CollectiveFailedError(
             f"{self.what} failed ({type(exc).__name__}: {exc}); a peer of the group "
             "may be gone") from exc
+
+
+# The torch.distributed calls a process group makes, each under a guard.
+GUARDED_CALLS = ("all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast",
+                 "broadcast_object_list", "recv", "send")
+
+
+def collective_guards(group: str, rank_in_group: int) -> dict[str, CollectiveGuard]:
+    """A guard per call of :data:`GUARDED_CALLS`, made once per group: the
+    collectives themselves build no string and no object."""
+    return {call: CollectiveGuard(f"the {group} group's {call} (rank {rank_in_group})")
+            for call in GUARDED_CALLS}
