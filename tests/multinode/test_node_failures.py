@@ -148,15 +148,21 @@ if __name__ == "__main__":
 """
 
 
+def _start_leader(tmp_path: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
+    """The leader script in its own session, its stdout a pipe (READY, ...)."""
+    script = tmp_path / "leader.py"
+    script.write_text(_LEADER)
+    return subprocess.Popen([sys.executable, str(script), str(port), *args],
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            cwd=str(Path(__file__).parents[2]))
+
+
 @pytest.mark.timeout(120)
 def test_followers_leave_when_the_leader_is_stopped(
         leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
         tmp_path: Path) -> None:
     follower, port = follower_port
-    script = tmp_path / "leader.py"
-    script.write_text(_LEADER)
-    leader = subprocess.Popen([sys.executable, str(script), str(port)], start_new_session=True,
-                              stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    leader = _start_leader(tmp_path, port)
     try:
         assert leader.stdout is not None
         assert leader.stdout.readline().strip() == b"READY"
@@ -179,11 +185,7 @@ def test_followers_leave_when_the_leader_is_killed_during_start_up(
     # starting (its rank 0 hangs) when it dies: heartbeats run from JOIN on,
     # so the follower does not wait for startup_timeout_s (60 s here).
     follower, port = follower_port
-    script = tmp_path / "leader.py"
-    script.write_text(_LEADER)
-    leader = subprocess.Popen([sys.executable, str(script), str(port), "hang"],
-                              start_new_session=True, stdout=subprocess.PIPE,
-                              cwd=str(Path(__file__).parents[2]))
+    leader = _start_leader(tmp_path, port, "hang")
     try:
         deadline = time.monotonic() + 60
         while len(tree_of(follower.pid)) < 3:  # the follower and its two workers
