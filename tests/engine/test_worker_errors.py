@@ -59,7 +59,7 @@ class Patience:
 
     def stop(self) -> None:
         self._timer.cancel()
-        self._timer.join()
+        self._timer.join(5)
 
 
 def test_only_collective_failures_are_symptoms_of_a_death() -> None:

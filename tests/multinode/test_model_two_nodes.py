@@ -248,7 +248,7 @@ def test_a_worker_value_error_across_two_nodes_arrives_at_once(
                 assert not patience.is_set()
             finally:
                 timer.cancel()
-                timer.join()
+                timer.join(5)
             assert caught.value.exc_type == "ValueError"
             assert llm.engine.is_dead and not llm.engine.executor.is_failed
         finally:

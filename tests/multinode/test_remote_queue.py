@@ -176,7 +176,7 @@ def test_reader_shutdown_from_another_thread_wakes_dequeue(trio: Any) -> None:
     timer.start()
     with pytest.raises(QueueClosedError):
         remote.dequeue(60)
-    timer.join()
+    timer.join(5)
 
 
 def _remote_child(handle: Any, conn: Any) -> None:
