@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mpexec import __version__
+    from mpexec.version import __version__
 
     parser = _Parser(
         prog="mpexec",

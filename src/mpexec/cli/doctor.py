@@ -362,7 +362,7 @@ def print_report(results: list[Check], out: TextIO, *, as_json: bool = False) ->
         json.dump([asdict(r) for r in results], out, indent=2)
         out.write("\n")
         return
-    from mpexec import __version__
+    from mpexec.version import __version__
 
     out.write(
         f"mpexec {__version__} doctor: {platform.system()} {platform.machine()}, "

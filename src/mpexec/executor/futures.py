@@ -44,14 +44,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from mpexec.errors import WorkerError
 from mpexec.executor.protocol import Reply, qualified_type_name
 from mpexec.executor.stats import CallStats
 
-if TYPE_CHECKING:
-    from mpexec.executor.pump import ReplyPump
+
+class Wakeable(Protocol):
+    """The reply pump (``pump.ReplyPump``) as the call order and its owner see it."""
+
+    def wake(self) -> None: ...
+
+    def stop(self, join_s: float) -> None: ...
 
 
 class UndecodableReply(Exception):
@@ -177,7 +182,7 @@ class CallOrder:
         self._mutex = threading.Lock()  # futures: their outcome, count and settling
         self._futures_pending = 0
         self._settle_later: list[PendingCall] = []
-        self.pump: ReplyPump | None = None
+        self.pump: Wakeable | None = None
 
     def __len__(self) -> int:
         """Calls not resolved yet."""

@@ -14,19 +14,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mpexec.ipc import Handle
 
 if TYPE_CHECKING:
-    from mpexec.executor.cluster import NodeServer
     from mpexec.executor.nodewire import Session
+
+
+class NodeServerLink(Protocol):
+    """What a node's handle asks of the leader's node server (``cluster.NodeServer``)."""
+
+    def request_bye(self, handle: RemoteNodeHandle) -> None: ...
+
+    def release(self, handle: RemoteNodeHandle) -> None: ...
 
 
 class RemoteNodeHandle:
     """A follower node, as one entry among the lifecycle's worker handles."""
 
-    def __init__(self, server: NodeServer, node_rank: int, ranks: range) -> None:
+    def __init__(self, server: NodeServerLink, node_rank: int, ranks: range) -> None:
         self.server = server
         self.node_rank = node_rank
         self.ranks = ranks

@@ -46,10 +46,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from mpexec import __version__
 from mpexec.config import ExecutorConfig
 from mpexec.ipc import Handle
 from mpexec.ipc.auth import DropCounter, FrameAuth, Opened, derive_key
+from mpexec.version import __version__
 
 MAX_CONTROL_BYTES = 64 << 20
 NONCE = struct.Struct("<Q")

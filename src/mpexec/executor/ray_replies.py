@@ -14,14 +14,26 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from mpexec.errors import QueueClosedError
-from mpexec.executor.lifecycle import State
+from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.protocol import Reply, capture_failure
 
-if TYPE_CHECKING:
-    from mpexec.executor.ray import RayExecutor, RayWorkerHandle
+
+class RayOwner(Protocol):
+    """What the reply reader needs of ``ray.RayExecutor``."""
+
+    lifecycle: Lifecycle
+
+    def _closed_error(self, rank: int, exc: QueueClosedError) -> Exception: ...
+
+
+class ActorHandle(Protocol):
+    """A worker's handle as the reply reader sees it (``ray.RayWorkerHandle``)."""
+
+    actor: Any
 
 _READ_SLICE_S = 0.1    # a reader rechecks the executor's state this often
 
@@ -29,7 +41,7 @@ _READ_SLICE_S = 0.1    # a reader rechecks the executor's state this often
 class RayReplies:
     """The reply reader of the "ray" path: each rank's refs, in call order."""
 
-    def __init__(self, executor: RayExecutor) -> None:
+    def __init__(self, executor: RayOwner) -> None:
         # The lifecycle holds this reader: a weak reference back keeps the
         # executor collectable.
         self_ref = weakref.ref(executor)
@@ -44,7 +56,7 @@ class RayReplies:
         self._actors: list[Any] = []
         self._refs: list[deque[Any]] = []
 
-    def attach(self, ray: Any, handles: list[RayWorkerHandle]) -> None:
+    def attach(self, ray: Any, handles: Sequence[ActorHandle]) -> None:
         self.ray = ray
         self._actors = [h.actor for h in handles]
         self._refs = [deque() for _ in handles]

@@ -34,13 +34,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerDiedError, WorkerError
 
-if TYPE_CHECKING:
-    from mpexec.executor.abstract import Executor
+
+class Verdicts(Protocol):
+    """What :func:`death_behind` asks of an executor (``abstract.Executor``)."""
+
+    @property
+    def is_failed(self) -> bool: ...
+
+    @property
+    def death_verdict_s(self) -> float: ...
+
+    def check_health(self) -> None: ...
 
 # The exc_type (qualified type name) of the worker errors a peer's death causes.
 PEER_DEATH_SYMPTOMS = frozenset({
@@ -96,7 +105,7 @@ def death_verdict_s(config: ExecutorConfig) -> float:
     return ONE_NODE_VERDICT_S
 
 
-def death_behind(executor: Executor, exc: BaseException) -> WorkerDiedError | None:
+def death_behind(executor: Verdicts, exc: BaseException) -> WorkerDiedError | None:
     """The executor's ``WorkerDiedError`` if a death lies behind ``exc``, else None
     (``exc`` itself a WorkerDiedError: None, raise it as it is).
 

@@ -97,25 +97,6 @@ class Tokenizer:
                    chat_template=config.chat_template, special_tokens=special,
                    source=directory)
 
-    @classmethod
-    def from_gguf_fields(cls, fields: Mapping[str, Any], *, source: str | Path,
-                         config: ModelConfig) -> Tokenizer:
-        from mpexec.models.loader.gguf_tokenizer import build_backend
-
-        backend = build_backend(fields, source)
-        tokens = fields["tokenizer.ggml.tokens"]
-
-        def text_of(key: str) -> str | None:
-            index = fields.get(f"tokenizer.ggml.{key}")
-            return tokens[int(index)] if index is not None and 0 <= index < len(tokens) else None
-
-        special = {"bos_token": text_of("bos_token_id"), "eos_token": text_of("eos_token_id"),
-                   "unk_token": text_of("unknown_token_id"),
-                   "pad_token": text_of("padding_token_id")}
-        return cls(backend, bos_token_id=config.bos_token_id,
-                   eos_token_ids=config.eos_token_ids, chat_template=config.chat_template,
-                   special_tokens=special, source=source)
-
     # ── text ⇄ ids ───────────────────────────────────────────────────────
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -185,9 +185,9 @@ class GGUFCheckpoint(Checkpoint):
         return self._fields
 
     def tokenizer(self) -> Tokenizer:
-        from mpexec.models.tokenizer import Tokenizer
+        from mpexec.models.loader.gguf_tokenizer import tokenizer_from_gguf
 
-        return Tokenizer.from_gguf_fields(self.metadata(), source=self.path, config=self.config)
+        return tokenizer_from_gguf(self.metadata(), source=self.path, config=self.config)
 
     def close(self) -> None:
         self._data = None  # the memory map goes with the last reference

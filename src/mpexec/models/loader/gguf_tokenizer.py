@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpexec.models.config import CheckpointError
+from mpexec.models.config import CheckpointError, ModelConfig
+from mpexec.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import tokenizers
@@ -125,3 +126,21 @@ def build_backend(fields: Mapping[str, Any], source: str | Path) -> tokenizers.T
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     return backend
+
+
+def tokenizer_from_gguf(fields: Mapping[str, Any], *, source: str | Path,
+                        config: ModelConfig) -> Tokenizer:
+    """The checkpoint's :class:`Tokenizer`, from its ``tokenizer.ggml.*`` metadata."""
+    backend = build_backend(fields, source)
+    tokens = fields["tokenizer.ggml.tokens"]
+
+    def text_of(key: str) -> str | None:
+        index = fields.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and 0 <= index < len(tokens) else None
+
+    special = {"bos_token": text_of("bos_token_id"), "eos_token": text_of("eos_token_id"),
+               "unk_token": text_of("unknown_token_id"),
+               "pad_token": text_of("padding_token_id")}
+    return Tokenizer(backend, bos_token_id=config.bos_token_id,
+                     eos_token_ids=config.eos_token_ids, chat_template=config.chat_template,
+                     special_tokens=special, source=source)

@@ -1,0 +1,1 @@
+"""The model's parallel building blocks: linear, embedding, attention, norm, rotary."""
