@@ -49,6 +49,7 @@ from mpexec.config import ExecutorConfig, ParallelConfig  # noqa: E402
 from mpexec.errors import WorkerDiedError  # noqa: E402
 from mpexec.executor import MultiprocExecutor  # noqa: E402
 from mpexec.ipc import MessageQueue  # noqa: E402
+from mpexec.system.procs import proc_stat  # noqa: E402
 
 SECRET = "bench-cluster-secret-0123456789ab"
 CALL = (1, "noop", (), {}, None)
@@ -257,11 +258,8 @@ def kill_tree(pids: set[int]) -> None:
 def alive(pids: set[int]) -> set[int]:
     out = set()
     for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
+        stat = proc_stat(p)
+        if stat is not None and not stat.exited:
             out.add(p)
     return out
 

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import percentile, render  # noqa: E402
 
+from mpexec.system.procs import proc_stat  # noqa: E402
+
 SECRET = "bench-cluster-secret-0123456789ab"
 PROMPT = "the quick brown fox jumps over"
 
@@ -79,10 +81,8 @@ def tree(pid: int) -> set[int]:
 
 
 def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = proc_stat(pid)
+    return stat is not None and not stat.exited
 
 
 def kill_tree(pids: set[int]) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from mpexec.system.procs import proc_stat
+
 ROOT = Path(__file__).resolve().parent.parent
 # Spawned children import test helpers (worker classes) by module path.
 for path in (str(ROOT), str(ROOT / "src")):
@@ -42,13 +44,9 @@ def descendants(pid: int) -> set[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # The command name may contain spaces and parentheses: split after it.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+        stat = proc_stat(int(entry))
+        if stat is not None:
+            children.setdefault(stat.ppid, []).append(stat.pid)
     found: set[int] = set()
     todo = [pid]
     while todo:

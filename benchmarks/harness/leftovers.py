@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from mpexec.system.procs import proc_stat
+
 
 def children_left() -> list[str]:
     """Live children of this process, except multiprocessing's resource tracker.
@@ -19,14 +21,9 @@ def children_left() -> list[str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data.rsplit(")", 1)[1].split()
-        if int(fields[1]) == me and int(entry) != tracker:
-            left.append(f"{entry} {data.split('(', 1)[1].rsplit(')', 1)[0]} ({fields[0]})")
+        stat = proc_stat(int(entry))
+        if stat is not None and stat.ppid == me and stat.pid != tracker:
+            left.append(f"{entry} {stat.name} ({stat.state})")
     return left
 
 

@@ -7,12 +7,15 @@ import os
 import platform
 from typing import Any
 
+from mpexec.system.procs import proc_stat
+
 
 def proc_cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` from /proc (clock-tick resolution)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = proc_stat(pid)
+    if stat is None:
+        raise ProcessLookupError(pid)
+    return stat.cpu_s
 
 
 def machine_info() -> dict[str, Any]:

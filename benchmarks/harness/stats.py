@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import statistics
+
+from mpexec.executor.stats import percentile as _nearest_rank
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile: the smallest sample with at least q% at or below it."""
+    """Nearest-rank percentile, ``q`` in percent (the executor's own definition)."""
     if not values:
         raise ValueError("percentile of no samples")
-    ordered = sorted(values)
-    index = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[index]
+    return _nearest_rank(sorted(values), q / 100)
 
 
 def summary(values: list[float]) -> dict[str, float]:

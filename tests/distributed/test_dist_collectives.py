@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mpexec.distributed.layout import DIMENSIONS, ParallelLayout  # noqa: E402
+from mpexec.layout import DIMENSIONS, ParallelLayout  # noqa: E402
 from tests.distributed.spmd import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(180)]

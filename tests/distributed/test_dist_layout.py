@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("torch")
 
 from mpexec.config import ParallelConfig
-from mpexec.distributed.layout import DIMENSIONS, ParallelLayout
 from mpexec.executor.ranks import parallel_ranks
+from mpexec.layout import DIMENSIONS, ParallelLayout
 
 pytestmark = pytest.mark.torch
 

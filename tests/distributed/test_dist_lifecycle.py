@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mpexec.distributed as d  # noqa: E402
+from mpexec.system.procs import proc_stat  # noqa: E402
 from tests.distributed.spmd import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
@@ -234,8 +235,8 @@ def stopped_peer(rank: int, world_size: int, init_method: str) -> Any:
         def wake_once_stopped() -> None:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # SIGCONT before SIGSTOP would be lost
-                stat = Path(f"/proc/{pids[1]}/stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] == "T":
+                stat = proc_stat(pids[1])
+                if stat is not None and stat.stopped:
                     break
                 time.sleep(0.01)
             time.sleep(0.3)  # rank 0 is asleep in the collective by now

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
+from mpexec.system.procs import proc_stat
 from tests.multinode.nodes import ROOT, SECRET, free_port, kill_tree, reap, tree_of
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.usefixtures("leak_check")]
@@ -198,11 +199,8 @@ def alive(pids: set[int], timeout_s: float) -> set[int]:
 
 
 def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    stat = proc_stat(pid)
+    return stat is not None and not stat.exited
 
 
 def test_mpexec_node_id_overrides_the_node_identity(monkeypatch: pytest.MonkeyPatch) -> None:

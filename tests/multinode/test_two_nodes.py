@@ -17,6 +17,7 @@ pytest.importorskip("zmq")
 from mpexec.config import ExecutorConfig, ParallelConfig
 from mpexec.errors import WorkerDiedError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
+from mpexec.system.procs import process_gone
 from tests.multinode.nodes import (
     SECRET,
     free_port,
@@ -49,8 +50,7 @@ def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     deadline = time.monotonic() + timeout_s
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if Path(f"/proc/{p}").exists()
-                 and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]}
+        alive = {p for p in alive if not process_gone(p)}
         time.sleep(0.05)
     return alive
 

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
 from mpexec.cli import UsageError
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
+from mpexec.system.procs import usable_cpus
 
 
 def check_model(model: str) -> None:

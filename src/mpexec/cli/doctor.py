@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal, TextIO
 
+from mpexec.system.procs import usable_cpus
+
 Status = Literal["OK", "WARN", "FAIL"]
 
 GiB = 1 << 30
@@ -206,7 +208,7 @@ def check_memory() -> Check:
 
 def check_cpus() -> Check:
     total = os.cpu_count() or 1
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    usable = usable_cpus()
     detail = f"{usable} usable of {total} CPUs"
     if usable < 2:
         return Check(
@@ -262,7 +264,7 @@ def check_torch_threads() -> Check:
         return Check(name, "OK", "torch not installed: nothing to tune")
     import torch
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cpus()
     threads = torch.get_num_threads()
     omp = os.environ.get("OMP_NUM_THREADS")
     detail = (f"torch uses {threads} intra-op threads on {cpus} usable CPUs "

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from mpexec.errors import WorkerError
 from mpexec.executor.worker_base import WorkerBase
+from mpexec.system.procs import proc_stat
 
 PROCESS_EXIT_TIMEOUT_S = 10.0
 
@@ -203,12 +204,9 @@ def _wait_gone(pids: Iterable[int], timeout_s: float) -> list[str]:
 
 def _state(pid: int) -> str:
     """``"gone"``, ``"zombie"`` (exited, not reaped) or ``"running"``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            code = f.read().rpartition(")")[2].split()[0]
-        return "zombie" if code in ("Z", "X") else "running"
-    except (OSError, IndexError):
-        pass
+    stat = proc_stat(pid)
+    if stat is not None:
+        return "zombie" if stat.exited else "running"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

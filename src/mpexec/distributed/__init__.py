@@ -12,7 +12,6 @@ except ImportError as exc:  # pragma: no cover - the torch extra is missing
                       "(or -e '.[torch]' in a checkout)") from exc
 
 from mpexec.distributed.group import GroupCoordinator
-from mpexec.distributed.layout import ParallelLayout
 from mpexec.distributed.liveness import PeerDiedInCollectiveError
 from mpexec.distributed.parallel_state import (
     destroy_distributed_environment,
@@ -30,6 +29,7 @@ from mpexec.distributed.parallel_state import (
     parallel_worker_name,
     setup_proc_title_and_log_prefix,
 )
+from mpexec.layout import ParallelLayout
 
 __all__ = [
     "GroupCoordinator",

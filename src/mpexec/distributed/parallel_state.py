@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mpexec.distributed.group import DEFAULT_SHM_MAX_BYTES, GroupCoordinator
-from mpexec.distributed.layout import DIMENSIONS, ParallelLayout
+from mpexec.layout import DIMENSIONS, ParallelLayout
 from mpexec.system import decorate_logs, set_process_title, worker_process_name
 
 logger = logging.getLogger(__name__)

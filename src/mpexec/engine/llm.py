@@ -45,6 +45,7 @@ from mpexec.engine.request import Request
 from mpexec.engine.scheduler import SchedulerLimits
 from mpexec.executor import Executor
 from mpexec.outputs import SamplingParams
+from mpexec.system.procs import usable_cpus
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
 
@@ -65,11 +66,6 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[Message],
                             add_generation_prompt: bool = True) -> list[int]: ...
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
 
 
 class LLM:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpexec.config import ParallelConfig
+from mpexec.layout import ParallelLayout
 from mpexec.system import worker_process_name
 
 
@@ -32,33 +33,27 @@ class ParallelRanks:
     ep: int | None
 
 
+def layout_of(parallel: ParallelConfig) -> ParallelLayout:
+    """The sizes of every dimension (``mpexec.layout``), from the config."""
+    return ParallelLayout(
+        tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
+        pcp=parallel.prefill_context_parallel_size,
+        dcp=parallel.decode_context_parallel_size, dp=parallel.data_parallel_size,
+        enable_ep=parallel.enable_expert_parallel)
+
+
 def parallel_ranks(rank: int, parallel: ParallelConfig) -> ParallelRanks:
-    tp_size = parallel.tensor_parallel_size
-    pcp_size = parallel.prefill_context_parallel_size
-    tp_rank = rank % tp_size
-    pcp_rank = (rank // tp_size) % pcp_size
-    pp_rank = rank // (tp_size * pcp_size) % parallel.pipeline_parallel_size
-    ep_rank = None
-    if parallel.enable_expert_parallel:
-        ep_rank = (parallel.data_parallel_rank * pcp_size + pcp_rank) * tp_size + tp_rank
-    return ParallelRanks(
-        tp=tp_rank,
-        pcp=pcp_rank,
-        pp=pp_rank,
-        dcp=tp_rank % parallel.decode_context_parallel_size,
-        dp=parallel.data_parallel_rank,
-        ep=ep_rank,
-    )
+    """Where ``rank`` (a rank of this DP replica's executor) sits in the world."""
+    world_rank = parallel.data_parallel_rank * parallel.world_size + rank
+    at = layout_of(parallel).coordinates(world_rank)
+    return ParallelRanks(tp=at["tp"], pcp=at["pcp"], pp=at["pp"], dcp=at["dcp"],
+                         dp=at["dp"], ep=at["ep"] if parallel.enable_expert_parallel else None)
 
 
 def worker_name(rank: int, parallel: ParallelConfig) -> str:
     """``Worker``, ``Worker_TP1``, ``Worker_PP1_TP0`` ... for process titles and logs."""
     r = parallel_ranks(rank, parallel)
-    ep_size = (
-        parallel.data_parallel_size
-        * parallel.prefill_context_parallel_size
-        * parallel.tensor_parallel_size
-    )
+    ep_size = layout_of(parallel).ep
     return worker_process_name(
         dp=(r.dp, parallel.data_parallel_size),
         pp=(r.pp, parallel.pipeline_parallel_size),

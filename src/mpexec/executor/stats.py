@@ -9,8 +9,10 @@ caller threads are counted once each.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 RESERVOIR_SIZE = 1024
@@ -38,10 +40,12 @@ class _Reservoir:
         self.max_s = 0.0
 
 
-def _percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of sorted samples: the smallest sample with at
+    least ``q`` (0..1) of them at or below it; 0.0 for no samples."""
     if not ordered:
         return 0.0
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    index = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
     return ordered[index]
 
 
@@ -81,9 +85,9 @@ class CallStats:
             name: MethodStats(
                 calls=calls,
                 failures=failures,
-                p50_s=_percentile(ordered, 0.50),
-                p90_s=_percentile(ordered, 0.90),
-                p99_s=_percentile(ordered, 0.99),
+                p50_s=percentile(ordered, 0.50),
+                p90_s=percentile(ordered, 0.90),
+                p99_s=percentile(ordered, 0.99),
                 max_s=max_s,
             )
             for name, calls, failures, ordered, max_s in items

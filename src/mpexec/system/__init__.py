@@ -27,14 +27,17 @@ from mpexec.system.names import (
     worker_process_name,
 )
 from mpexec.system.procs import (
+    ProcStat,
     apply_cpu_affinity,
     become_group_leader,
     close_inherited_fds,
     kill_process_group,
     online_cpus,
     open_pidfd,
+    proc_stat,
     process_gone,
     set_parent_death_signal,
+    usable_cpus,
 )
 from mpexec.system.start import (
     START_METHODS,
@@ -53,6 +56,7 @@ __all__ = [
     "START_METHODS",
     "THREAD_ENV_VARS",
     "PrefixedStream",
+    "ProcStat",
     "apply_cpu_affinity",
     "apply_thread_env_in_child",
     "become_group_leader",
@@ -63,11 +67,13 @@ __all__ = [
     "maybe_force_spawn",
     "online_cpus",
     "open_pidfd",
+    "proc_stat",
     "process_gone",
     "running_thread_count",
     "set_parent_death_signal",
     "set_process_title",
     "thread_vars",
+    "usable_cpus",
     "worker_process_name",
     "worker_thread_env",
 ]

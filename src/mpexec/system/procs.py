@@ -10,18 +10,58 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` that mpexec reads (see proc(5))."""
+
+    pid: int
+    name: str       # the command name, as the kernel keeps it (15 bytes)
+    state: str      # R running, S/D sleeping, T/t stopped, Z zombie, X dead, ...
+    ppid: int
+    pgrp: int
+    cpu_ticks: int  # utime + stime, in clock ticks
+
+    @property
+    def exited(self) -> bool:
+        """Gone but for its zombie: exited and not yet reaped."""
+        return self.state in {"Z", "X"}
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+        return self.state in {"T", "t"}
+
+    @property
+    def cpu_s(self) -> float:
+        return self.cpu_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``/proc/<pid>/stat`` parsed, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # The name may hold spaces and parentheses: it ends at the last ")".
+    head, _, tail = text.rpartition(")")
+    fields = tail.split()
+    if len(fields) < 13:
+        return None
+    return ProcStat(pid=pid, name=head.partition("(")[2], state=fields[0],
+                    ppid=int(fields[1]), pgrp=int(fields[2]),
+                    cpu_ticks=int(fields[11]) + int(fields[12]))
+
+
 def process_gone(pid: int) -> bool:
     """True once ``pid`` has exited: no such process, or only its zombie left."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in {"Z", "X"}
+    stat = proc_stat(pid)
+    return stat is None or stat.exited
 
 
 def close_inherited_fds(fds: Sequence[int]) -> None:
@@ -63,6 +103,13 @@ def apply_cpu_affinity(cpus: Sequence[int] | None) -> None:
         os.sched_setaffinity(0, wanted)
     except OSError as exc:
         raise ValueError(f"cannot pin to CPUs {sorted(wanted)}: {exc.strerror}") from exc
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def online_cpus() -> set[int]:
