@@ -213,6 +213,27 @@ def ray_processes() -> set[int]:
             if entry.isdigit() and is_ray_process(int(entry))}
 
 
+def ray_session_processes(session_dir: str) -> set[int]:
+    """The Ray processes of one session: those holding a file under its
+    session directory open (every daemon and worker logs there).  Another
+    Ray on the machine, started by someone else meanwhile, is not ours."""
+    found = set()
+    for pid in ray_processes():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(session_dir):
+                found.add(pid)
+                break
+    return found
+
+
 @pytest.fixture
 def ray_leak_check() -> Iterator[None]:
     yield from _leak_check(is_pooled_ray_process)

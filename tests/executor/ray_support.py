@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from tests.conftest import ray_processes
+from tests.conftest import ray_session_processes
 from tests.executor.conftest import make_config
 
 from mpexec.errors import WorkerError
@@ -65,12 +65,19 @@ def check_calls(ex: Any) -> None:
     assert stats["raise_custom"].failures == 1
 
 
-def ray_processes_left(before: set[int], timeout_s: float = 30.0) -> set[int]:
-    """Ray processes not in ``before``, once those exiting have had ``timeout_s``."""
+def ray_session_dir() -> str:
+    """The session directory of the Ray this driver is connected to."""
+    import ray
+
+    return str(ray._private.worker._global_node.get_session_dir_path())
+
+
+def ray_processes_left(session_dir: str, timeout_s: float = 30.0) -> set[int]:
+    """The session's Ray processes still there once those exiting have had ``timeout_s``."""
     end = time.monotonic() + timeout_s
-    while ray_processes() - before and time.monotonic() < end:
+    while ray_session_processes(session_dir) and time.monotonic() < end:
         time.sleep(0.2)
-    return ray_processes() - before
+    return ray_session_processes(session_dir)
 
 
 def warm_up(*paths: str) -> None:

@@ -17,12 +17,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from tests.conftest import ray_processes
 from tests.executor.ray_support import (
     check_calls,
     live_actors,
     live_groups,
     ray_processes_left,
+    ray_session_dir,
     start,
     warm_up,
 )
@@ -40,14 +40,14 @@ PATHS = ["shm", "ray"]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    before = ray_processes()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
+    session = ray_session_dir()
     warm_up(*PATHS)
     yield
     assert live_actors() == [] and live_groups() == []
     ray.shutdown()
-    assert ray_processes_left(before) == set()
+    assert ray_processes_left(session) == set()
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from tests.conftest import ray_processes
 from tests.executor.ray_support import (
     check_calls,
     live_actors,
@@ -46,9 +45,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Any, Any]]:
-    before = ray_processes()
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 1, "include_dashboard": False})
+    session = str(cluster.head_node.get_session_dir_path())
     other = cluster.add_node(num_cpus=2)
     try:
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
@@ -58,7 +57,7 @@ def cluster() -> Iterator[tuple[Any, Any]]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    assert ray_processes_left(before) == set()
+    assert ray_processes_left(session) == set()
 
 
 @pytest.fixture
