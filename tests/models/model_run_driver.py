@@ -27,15 +27,17 @@ from mpexec.outputs import (
 BLOCK_SIZE = 4
 
 
-def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, backend: str = "mp",
-                  num_blocks: int = 128, **worker_kwargs: Any) -> Executor:
+def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1,
+                  backend: str = "mp", num_blocks: int = 128,
+                  **worker_kwargs: Any) -> Executor:
     """An executor of ModelWorkers with its KV cache sized the way the engine does."""
     kwargs = dict(model=str(model), block_size=BLOCK_SIZE, num_threads=1,
                   kv_cache_memory_bytes=64 << 20)
     kwargs.update(worker_kwargs)
     config = ExecutorConfig(
         worker_cls="mpexec.models.worker:ModelWorker", worker_kwargs=kwargs,
-        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                decode_context_parallel_size=dcp),
         executor_backend=backend, device_type="cpu", startup_timeout_s=120.0,
         execute_model_timeout_s=120.0, shutdown_grace_s=5.0, shutdown_term_s=5.0)
     executor = Executor.get_class(config)(config)
@@ -73,16 +75,17 @@ class Run:
 class StepDriver:
     def __init__(self, executor: Executor, *, chunk: int | None = None,
                  placeholders: bool = False, fetch_logits: bool = False,
-                 first_block: int = 0) -> None:
+                 first_block: int = 0, block_tokens: int = BLOCK_SIZE) -> None:
         self.executor = executor
         self.chunk = chunk
         self.placeholders = placeholders
         self.fetch_logits = fetch_logits
         self.next_block = first_block
+        self.block_tokens = block_tokens  # tokens per block: BLOCK_SIZE x DCP
         self.step = 0
 
     def _grow(self, run: Run, upto: int) -> list[int]:
-        needed = math.ceil(upto / BLOCK_SIZE) - len(run.blocks)
+        needed = math.ceil(upto / self.block_tokens) - len(run.blocks)
         fresh = list(range(self.next_block, self.next_block + max(needed, 0)))
         self.next_block += len(fresh)
         run.blocks.extend(fresh)

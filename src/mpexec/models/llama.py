@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from mpexec.models.context_parallel import DcpBatch, DcpGroup
 from mpexec.models.kv_cache import AttentionBatch, KVCache
 from mpexec.models.layers.attention import Attention
 from mpexec.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -71,7 +72,7 @@ class DecoderLayer:
         self.down = down
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 batch: AttentionBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                 batch: AttentionBatch | DcpBatch, rope: tuple[torch.Tensor, torch.Tensor],
                  cache: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_norm(hidden, residual)
@@ -108,7 +109,8 @@ class LlamaStage:
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, *, positions: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+    def forward(self, *, positions: torch.Tensor, batch: AttentionBatch | DcpBatch,
+                cache: KVCache,
                 token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage: from token ids (first stage) or the previous stage's
@@ -133,8 +135,10 @@ class LlamaStage:
 
 def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                is_first: bool, is_last: bool, tp_group: ParallelGroup, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> LlamaStage:
-    """Build this rank's stage, reading only its slices of the checkpoint."""
+               device: torch.device, max_positions: int, dcp_group: DcpGroup | None = None,
+               dcp_head_counts: list[int] | None = None) -> LlamaStage:
+    """Build this rank's stage, reading only its slices of the checkpoint; with
+    ``dcp_group``, attention is decode-context-parallel (``context_parallel``)."""
     check_supported(config)
     names = set(checkpoint.names())
     head_dim = head_dim_of(config)
@@ -179,7 +183,7 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             o_proj=RowParallelLinear(read(attn_prefix + "o_proj.weight", 1, *q_rows), tp_group,
                                      bias=optional(attn_prefix + "o_proj.bias")),
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=head_dim,
-            rotary=rotary)
+            rotary=rotary, dcp=dcp_group, dcp_head_counts=dcp_head_counts)
         mlp_prefix = prefix + "mlp."
         gate_up = torch.cat([read(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),
                              read(mlp_prefix + "up_proj.weight", 0, *mlp_rows)])

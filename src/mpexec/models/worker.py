@@ -41,7 +41,9 @@ import torch
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.worker_base import WorkerBase
 from mpexec.models import ngram
+from mpexec.models.context_parallel import DcpBatch, build_dcp_batch, dcp_head_counts
 from mpexec.models.kv_cache import (
+    AttentionBatch,
     KVCache,
     ScheduledRequest,
     build_attention_batch,
@@ -116,6 +118,10 @@ class ModelWorker(WorkerBase):
         ranks = context.ranks
         self.tp_rank = ranks.tp
         self.pp_rank = ranks.pp
+        # decode context parallelism: each request's KV spread over the DCP group
+        self.dcp_size = parallel.decode_context_parallel_size
+        self.dcp_rank = ranks.dcp
+        self.dcp_group: Any = None
         self.device = torch.device(context.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tp_group: Any = None
@@ -145,10 +151,10 @@ class ModelWorker(WorkerBase):
     def init_device(self) -> None:
         parallel = self.config.parallel
         unsupported = {name: getattr(parallel, name) for name in (
-            "prefill_context_parallel_size", "decode_context_parallel_size",
-            "data_parallel_size") if getattr(parallel, name) != 1}
+            "prefill_context_parallel_size", "data_parallel_size") if getattr(parallel, name) != 1}
         if unsupported or parallel.enable_expert_parallel:
-            raise ValueError(f"ModelWorker supports TP and PP only; got {unsupported or 'EP'}")
+            raise ValueError(
+                f"ModelWorker supports TP, PP and DCP only; got {unsupported or 'EP'}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
@@ -162,11 +168,14 @@ class ModelWorker(WorkerBase):
             world_size=self.context.world_size, rank=self.rank, local_rank=self.local_rank,
             distributed_init_method=self.distributed_init_method, backend=self.context.backend)
         distributed.initialize_model_parallel(
-            tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size)
+            tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
+            decode_context_model_parallel_size=self.dcp_size)
         self.owns_distributed = True
         distributed.setup_proc_title_and_log_prefix()
         self.tp_group = distributed.get_tp_group()
         self.pp_group = distributed.get_pp_group()
+        if self.dcp_size > 1:
+            self.dcp_group = distributed.get_dcp_group()
 
     def load_model(self) -> None:
         with _open_checkpoint(self.model_spec) as checkpoint:
@@ -179,11 +188,15 @@ class ModelWorker(WorkerBase):
                                intermediate_size=config.intermediate_size,
                                vocab_size=config.vocab_size, layers=layers,
                                tp_rank=self.tp_rank, tp_size=self.tp_size)
+            head_counts = dcp_head_counts(config.num_attention_heads,
+                                          config.num_key_value_heads, self.tp_size,
+                                          self.dcp_size, self.tp_rank)
             max_len = self.max_model_len or config.max_position_embeddings
             self.max_model_len = max_len
             self.stage = load_stage(checkpoint, config, share, is_first=self.is_first_stage,
                                     is_last=self.is_last_stage, tp_group=self.tp_group,
-                                    dtype=self.dtype, device=self.device, max_positions=max_len)
+                                    dtype=self.dtype, device=self.device, max_positions=max_len,
+                                    dcp_group=self.dcp_group, dcp_head_counts=head_counts)
         logger.info("rank %d (PP stage %d/%d) holds %s; %s on %s", self.rank, self.pp_rank,
                     self.pp_size, share.describe(), self.dtype, self.device)
 
@@ -218,7 +231,11 @@ class ModelWorker(WorkerBase):
         """This stage's forward; the logits of ``sample_rows`` on the last stage."""
         stage = self._require_stage()
         device = self.device
-        batch = build_attention_batch(layout, self.block_size, device)
+        batch: AttentionBatch | DcpBatch
+        if self.dcp_size > 1:
+            batch = build_dcp_batch(layout, self.block_size, self.dcp_size, self.dcp_rank, device)
+        else:
+            batch = build_attention_batch(layout, self.block_size, device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
         if self.is_first_stage:
             ids = torch.tensor(token_ids, dtype=torch.int64, device=device)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mpexec.models.context_parallel import DcpBatch, DcpGroup, dcp_attention
 from mpexec.models.kv_cache import AttentionBatch
 from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpexec.models.layers.rotary import RotaryEmbedding
@@ -27,7 +28,8 @@ from mpexec.models.layers.rotary import RotaryEmbedding
 class Attention:
     def __init__(self, *, qkv_proj: ColumnParallelLinear, o_proj: RowParallelLinear,
                  num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, dcp: DcpGroup | None = None,
+                 dcp_head_counts: list[int] | None = None) -> None:
         self.qkv_proj = qkv_proj
         self.o_proj = o_proj
         self.num_heads = num_heads
@@ -37,8 +39,12 @@ class Attention:
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.rotary = rotary
+        # decode context parallelism (``context_parallel``): the group, and
+        # the query heads each of its ranks holds
+        self.dcp = dcp
+        self.dcp_head_counts = dcp_head_counts or [num_heads]
 
-    def __call__(self, hidden: torch.Tensor, batch: AttentionBatch,
+    def __call__(self, hidden: torch.Tensor, batch: AttentionBatch | DcpBatch,
                  rope: tuple[torch.Tensor, torch.Tensor],
                  cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -49,6 +55,10 @@ class Attention:
         qk = self.rotary.apply(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if isinstance(batch, DcpBatch):
+            assert self.dcp is not None, "a DCP batch reached a layer built without DCP"
+            return self.o_proj(dcp_attention(q, k, v, batch, cache, self.dcp,
+                                             self.dcp_head_counts, self.head_dim ** -0.5))
         k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
