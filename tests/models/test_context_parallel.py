@@ -175,3 +175,57 @@ def test_a_dcp_rank_killed_mid_decode_is_a_worker_death(one_kv_head: Path,
         os.kill(executor.workers[1].pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError):
             driver.generate(requests([9], max_tokens=4))
+
+
+# -- through LLM: the scheduler counts blocks of block_size x DCP tokens ----------------
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mpexec.models.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("dcp-llm") / "ckpt",
+                                 num_attention_heads=4, num_key_value_heads=1)
+
+
+def make_llm(path: Path, **kwargs: Any) -> Any:
+    from mpexec import LLM
+
+    return LLM(str(path), num_threads=1, max_num_batched_tokens=64, block_size=4,
+               shutdown_grace_s=2.0, shutdown_term_s=2.0, **kwargs)
+
+
+@pytest.mark.slow
+def test_llm_with_dcp_preempts_resumes_and_admits_twice_the_context(
+        one_kv_head_llm_dir: Path, leak_check: None) -> None:
+    from mpexec import SamplingParams
+
+    prompts = ["hello world", "the quick brown fox", "a", "one two three four five six"]
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=20, ignore_eos=True)
+              for t in (0, 0.8, 0, 1.0)]
+    with make_llm(one_kv_head_llm_dir, executor_backend="uni") as reference:
+        block_bytes = reference.engine.executor.collective_rpc("kv_cache_block_bytes")[0]
+        longest = max(len(reference.tokenizer.encode(p)) for p in prompts) + 20
+        want = [o.token_ids for o in reference.generate(prompts, params)]
+    # per rank, room for the longest request alone with DCP=2 (blocks of 8 tokens)
+    blocks = -(-longest // 8) + 1
+    with make_llm(one_kv_head_llm_dir, tensor_parallel_size=2, decode_context_parallel_size=2,
+                  kv_cache_memory_bytes=blocks * block_bytes, max_num_seqs=4) as llm:
+        assert llm.engine.num_blocks == blocks
+        assert llm.engine.scheduler.limits.block_size == 8  # 4 tokens on each of 2 ranks
+        outputs = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == want
+
+
+@pytest.mark.slow
+def test_smollm2_tp6_dcp2_reproduces_tp1(smollm2_gguf: Path, leak_check: None) -> None:
+    """SmolLM2's 3 KV heads on 6 ranks: each KV head's two ranks split its tokens."""
+    reqs = requests([3, 120], max_tokens=4)
+    reference = run(smollm2_gguf, reqs)
+    runs = run(smollm2_gguf, reqs, tp=6, dcp=2)
+    for rid, ran in runs.items():
+        assert ran.output == reference[rid].output, rid
+        # 30 layers of a real model in float32: a few ulps more than the tiny one
+        torch.testing.assert_close(torch.stack(ran.logits), torch.stack(reference[rid].logits),
+                                   atol=2e-3, rtol=0)

@@ -77,6 +77,7 @@ class LLM:
         *,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
@@ -101,6 +102,7 @@ class LLM:
         self._engine: Engine | None = None
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
+                                  decode_context_parallel_size=decode_context_parallel_size,
                                   nnodes=nnodes, node_rank=node_rank,
                                   master_addr=master_addr, master_port=master_port)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
@@ -157,7 +159,9 @@ class LLM:
                         else tokenizer.eos_token_ids)
             limits = SchedulerLimits(max_model_len=model_max_len,
                                      max_num_batched_tokens=max_num_batched_tokens,
-                                     max_num_seqs=max_num_seqs, block_size=block_size)
+                                     max_num_seqs=max_num_seqs,
+                                     # a block holds block_size tokens on each DCP rank
+                                     block_size=block_size * decode_context_parallel_size)
             self._engine = Engine(executor, limits, eos)
         except BaseException:
             executor.shutdown()

@@ -1,0 +1,107 @@
+"""Context parallelism: what decode context parallelism (DCP) buys a long request.
+
+    python benchmarks/bench_context.py [--context 4000] [--decode 32] [--threads 1]
+
+On a checkpoint written by transformers for the run (a Llama with one KV head,
+so that TP=2 replicates it: the layout DCP exists for; 4 layers, hidden 256,
+8192 positions), TP=2 on the CPU with DCP=1 and DCP=2:
+
+1. KV bytes each rank holds for one ``--context``-token request (the blocks
+   the scheduler gave it times the bytes a block costs on one rank); target
+   DCP=2 <= 0.55x DCP=1;
+2. the longest context admitted in the same per-rank KV budget (the engine's
+   capacity in tokens, never more than the model's 8192 positions; a prompt
+   of that length is run to prove it); target >= 1.8x;
+3. decode tokens/s of that request (greedy, ``--decode`` tokens): DCP trades
+   KV memory for two extra all-gathers per layer.
+
+Numbers depend on the machine and its load; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from harness import render  # noqa: E402
+
+from mpexec.engine.llm import LLM  # noqa: E402
+from mpexec.outputs import SamplingParams  # noqa: E402
+
+BLOCK = 16
+
+
+def write_checkpoint(directory: Path) -> Path:
+    from mpexec.models.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(directory, hidden_size=256, num_attention_heads=4,
+                                 num_key_value_heads=1, num_hidden_layers=4,
+                                 intermediate_size=512, max_position_embeddings=8192)
+
+
+def make_llm(path: Path, dcp: int, threads: int, budget: int | None = None) -> LLM:
+    return LLM(str(path), tensor_parallel_size=2, decode_context_parallel_size=dcp,
+               num_threads=threads, block_size=BLOCK, max_num_seqs=1,
+               max_num_batched_tokens=1024, kv_cache_memory_bytes=budget)
+
+
+def prompt(length: int) -> dict[str, Any]:
+    return {"prompt_token_ids": [(7 * i) % 90 + 5 for i in range(length)]}
+
+
+def measure(path: Path, dcp: int, context: int, decode: int, threads: int,
+            budget: int) -> dict[str, Any]:
+    with make_llm(path, dcp, threads, budget) as llm:
+        engine = llm.engine
+        block_bytes = engine.executor.collective_rpc("kv_cache_block_bytes")[0]
+        tokens_per_block = engine.scheduler.limits.block_size
+        held = -(-(context + decode) // tokens_per_block) * block_bytes
+        capacity = engine.num_blocks * tokens_per_block
+        out = llm.generate(prompt(context), SamplingParams(temperature=0, max_tokens=decode,
+                                                           ignore_eos=True))[0]
+        metrics = out.metrics
+        assert metrics.first_token_time is not None and metrics.finish_time is not None
+        prefill_s = metrics.first_token_time - metrics.arrival_time
+        decode_tok_s = (len(out.token_ids) - 1) / (metrics.finish_time - metrics.first_token_time)
+        longest = min(capacity, engine.scheduler.limits.max_model_len) - 1
+        admitted = llm.generate(prompt(longest), SamplingParams(temperature=0, max_tokens=1))
+        assert len(admitted[0].token_ids) == 1
+    return {"dcp": dcp, "held": held, "capacity": capacity, "longest": longest,
+            "prefill_s": prefill_s, "decode_tok_s": decode_tok_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4000)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "ckpt")
+        with make_llm(path, 1, args.threads) as probe:
+            block_bytes = probe.engine.executor.collective_rpc("kv_cache_block_bytes")[0]
+        # A per-rank budget that holds the request without DCP, with a little room.
+        budget = (-(-(args.context + args.decode) // BLOCK) + 8) * block_bytes
+        rows = [measure(path, dcp, args.context, args.decode, args.threads, budget)
+                for dcp in (1, 2)]
+    base, split = rows
+    table = [[f"DCP={r['dcp']}", f"{r['held'] / 2**20:.2f}", f"{r['held'] / base['held']:.2f}x",
+              r["capacity"], f"{r['capacity'] / base['capacity']:.2f}x",
+              f"{r['prefill_s']:.2f}", f"{r['decode_tok_s']:.1f}"] for r in rows]
+    print(render(f"Decode context parallelism, TP=2, one {args.context}-token request, "
+                 f"per-rank KV budget {budget / 2**20:.1f} MiB, {args.threads} thread(s) "
+                 "per worker",
+                 ["layout", "KV MiB/rank", "vs DCP=1", "tokens admitted", "vs DCP=1",
+                  "prefill s", "decode tok/s"], table))
+    print(f"targets: KV per rank <= 0.55x (got {split['held'] / base['held']:.2f}x); "
+          f"context admitted >= 1.8x (got {split['capacity'] / base['capacity']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
