@@ -1,6 +1,7 @@
-"""Context parallelism: what decode context parallelism (DCP) buys a long request.
+"""Context parallelism: what DCP and PCP buy a long request.
 
     python benchmarks/bench_context.py [--context 4000] [--decode 32] [--threads 1]
+                                       [--prefill 2000] [--model default] [--only dcp,pcp]
 
 On a checkpoint written by transformers for the run (a Llama with one KV head,
 so that TP=2 replicates it: the layout DCP exists for; 4 layers, hidden 256,
@@ -15,12 +16,19 @@ so that TP=2 replicates it: the layout DCP exists for; 4 layers, hidden 256,
 3. decode tokens/s of that request (greedy, ``--decode`` tokens): DCP trades
    KV memory for two extra all-gathers per layer.
 
+Prefill context parallelism on ``--model`` (SmolLM2 by default), TP=1:
+
+4. time to first token of one ``--prefill``-token prompt with PCP=2 against
+   PCP=1 (``--threads`` intra-op threads per worker; median of 3); target
+   >= 1.4x faster.
+
 Numbers depend on the machine and its load; compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -76,12 +84,46 @@ def measure(path: Path, dcp: int, context: int, decode: int, threads: int,
             "prefill_s": prefill_s, "decode_tok_s": decode_tok_s}
 
 
+def prefill_seconds(model: str, pcp: int, length: int, threads: int, reps: int = 3) -> float:
+    with LLM(model, prefill_context_parallel_size=pcp, num_threads=threads, max_num_seqs=1,
+             max_num_batched_tokens=length, max_model_len=length + 16) as llm:
+        llm.generate(prompt(64), SamplingParams(temperature=0, max_tokens=1))  # warm up
+        times = []
+        for _ in range(reps):
+            out = llm.generate(prompt(length), SamplingParams(temperature=0, max_tokens=1))[0]
+            first = out.metrics.first_token_time
+            assert first is not None
+            times.append(first - out.metrics.arrival_time)
+    return statistics.median(times)
+
+
+def bench_pcp(args: argparse.Namespace) -> None:
+    rows = [(pcp, prefill_seconds(args.model, pcp, args.prefill, args.threads))
+            for pcp in (1, 2)]
+    base = rows[0][1]
+    print(render(f"Prefill context parallelism, {args.model}, TP=1, one {args.prefill}-token "
+                 f"prompt, {args.threads} thread(s) per worker (median of 3)",
+                 ["layout", "time to first token s", "speed-up"],
+                 [[f"PCP={p}", f"{s:.2f}", f"{base / s:.2f}x"] for p, s in rows]))
+    print(f"target: PCP=2 >= 1.4x (got {base / rows[1][1]:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4000)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill", type=int, default=2000)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--only", default="dcp,pcp")
     args = parser.parse_args()
+    if "dcp" in args.only:
+        bench_dcp(args)
+    if "pcp" in args.only:
+        bench_pcp(args)
+
+
+def bench_dcp(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ckpt")
         with make_llm(path, 1, args.threads) as probe:

@@ -27,7 +27,7 @@ from mpexec.outputs import (
 BLOCK_SIZE = 4
 
 
-def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1,
+def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1, pcp: int = 1,
                   backend: str = "mp", num_blocks: int = 128,
                   **worker_kwargs: Any) -> Executor:
     """An executor of ModelWorkers with its KV cache sized the way the engine does."""
@@ -37,7 +37,8 @@ def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1,
     config = ExecutorConfig(
         worker_cls="mpexec.models.worker:ModelWorker", worker_kwargs=kwargs,
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                decode_context_parallel_size=dcp),
+                                decode_context_parallel_size=dcp,
+                                prefill_context_parallel_size=pcp),
         executor_backend=backend, device_type="cpu", startup_timeout_s=120.0,
         execute_model_timeout_s=120.0, shutdown_grace_s=5.0, shutdown_term_s=5.0)
     executor = Executor.get_class(config)(config)

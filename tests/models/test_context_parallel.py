@@ -131,10 +131,13 @@ def requests(lengths: list[int], max_tokens: int = 6) -> dict[str, tuple[list[in
 def run(model: Path, reqs: dict[str, Any], **layout: Any) -> dict[str, Any]:
     dcp = layout.get("dcp", 1)
     chunk = layout.pop("chunk", None)
-    backend = "uni" if layout.get("tp", 1) == 1 else "mp"
+    backend = "uni" if layout.get("tp", 1) * layout.get("pcp", 1) == 1 else "mp"
     with make_executor(model, backend=backend, num_blocks=256, **layout) as executor:
-        return StepDriver(executor, fetch_logits=True, chunk=chunk,
+        runs = StepDriver(executor, fetch_logits=True, chunk=chunk,
                           block_tokens=BLOCK_SIZE * dcp).generate(reqs)
+        if layout.get("pcp", 1) > 1:  # the prefills were really split
+            assert min(executor.collective_rpc(lambda w: w.worker.pcp_split_steps)) > 0
+    return runs
 
 
 def assert_same(runs: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -229,3 +232,37 @@ def test_smollm2_tp6_dcp2_reproduces_tp1(smollm2_gguf: Path, leak_check: None) -
         # 30 layers of a real model in float32: a few ulps more than the tiny one
         torch.testing.assert_close(torch.stack(ran.logits), torch.stack(reference[rid].logits),
                                    atol=2e-3, rtol=0)
+
+
+# -- prefill context parallelism -------------------------------------------------------
+
+
+def test_a_step_is_split_into_row_ranges_that_continue_each_prompt() -> None:
+    from mpexec.models.prefill_parallel import rows_layout, split_step
+
+    assert split_step(15, 2) is None  # small steps run whole on every rank
+    assert split_step(40, 2) == [(0, 20), (20, 40)]
+    layout = [ScheduledRequest([0], 0, 30), ScheduledRequest([1], 7, 1),
+              ScheduledRequest([2], 4, 9)]  # rows 0-29, 30, 31-39
+    assert rows_layout(layout, 20, 40) == [ScheduledRequest([0], 20, 10),
+                                           ScheduledRequest([1], 7, 1),
+                                           ScheduledRequest([2], 4, 9)]
+    assert rows_layout(layout, 0, 20) == [ScheduledRequest([0], 0, 20)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp", "pcp"), [(1, 1, 2), (2, 1, 2), (1, 2, 2)])
+def test_pcp_reproduces_tp1(two_kv_heads: Path, tp: int, pp: int, pcp: int,
+                            leak_check: None) -> None:
+    reqs = requests([1, 5, 40, 300])
+    reference = run(two_kv_heads, reqs)
+    assert_same(run(two_kv_heads, reqs, tp=tp, pp=pp, pcp=pcp), reference)
+    # chunked prefill: a chunk's rows continue a prompt on the second rank
+    assert_same(run(two_kv_heads, reqs, tp=tp, pp=pp, pcp=pcp, chunk=37), reference)
+
+
+def test_pcp_with_dcp_is_refused(two_kv_heads: Path, leak_check: None) -> None:
+    from mpexec.errors import WorkerStartupError
+
+    with pytest.raises(WorkerStartupError, match="cannot be combined"):
+        make_executor(two_kv_heads, tp=4, dcp=2, pcp=2, backend="mp")

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int, default=1,
                         help="spread each request's KV cache over this many ranks of each TP "
                         "group (1); needs --tp >= it x the model's KV heads")
+    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=_positive_int,
+                        default=1, help="split each long step's tokens over this many ranks "
+                        "(1); the workers are TP x PP x PCP")
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt (repeatable; outputs come in the same order)")
     parser.add_argument("--chat", action="store_true",
@@ -145,6 +148,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     try:
         return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                    decode_context_parallel_size=getattr(args, "decode_context_parallel_size", 1),
+                   prefill_context_parallel_size=getattr(args, "prefill_context_parallel_size", 1),
                    executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
                    seed=getattr(args, "seed", 0),
                    async_scheduling=getattr(args, "async_scheduling", False),

@@ -78,6 +78,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
@@ -103,6 +104,7 @@ class LLM:
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
                                   decode_context_parallel_size=decode_context_parallel_size,
+                                  prefill_context_parallel_size=prefill_context_parallel_size,
                                   nnodes=nnodes, node_rank=node_rank,
                                   master_addr=master_addr, master_port=master_port)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"

@@ -31,6 +31,7 @@ from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpexec.models.layers.norm import RMSNorm
 from mpexec.models.layers.parallel import ParallelGroup
 from mpexec.models.layers.rotary import RotaryEmbedding, rope_type_of
+from mpexec.models.prefill_parallel import PcpBatch
 from mpexec.models.sharding import RankShare
 
 # ModelConfig names the family ("llama" covers Mistral and SmolLM).
@@ -72,7 +73,8 @@ class DecoderLayer:
         self.down = down
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 batch: AttentionBatch | DcpBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                 batch: AttentionBatch | DcpBatch | PcpBatch,
+                 rope: tuple[torch.Tensor, torch.Tensor],
                  cache: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_norm(hidden, residual)
@@ -109,8 +111,8 @@ class LlamaStage:
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, *, positions: torch.Tensor, batch: AttentionBatch | DcpBatch,
-                cache: KVCache,
+    def forward(self, *, positions: torch.Tensor,
+                batch: AttentionBatch | DcpBatch | PcpBatch, cache: KVCache,
                 token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage: from token ids (first stage) or the previous stage's

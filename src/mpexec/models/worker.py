@@ -52,6 +52,7 @@ from mpexec.models.kv_cache import (
 )
 from mpexec.models.layers.parallel import SingleRankGroup
 from mpexec.models.llama import LlamaStage, load_stage
+from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
 from mpexec.models.sampler import SampleRequest, sample, unpack_bitmask
 from mpexec.models.sharding import pipeline_layers, rank_share
 from mpexec.models.step import RequestTable
@@ -122,6 +123,11 @@ class ModelWorker(WorkerBase):
         self.dcp_size = parallel.decode_context_parallel_size
         self.dcp_rank = ranks.dcp
         self.dcp_group: Any = None
+        # prefill context parallelism: a long step's rows split over the PCP group
+        self.pcp_size = parallel.prefill_context_parallel_size
+        self.pcp_rank = ranks.pcp
+        self.pcp_group: Any = None
+        self.pcp_split_steps = 0  # steps whose rows this rank shared with its PCP group
         self.device = torch.device(context.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tp_group: Any = None
@@ -144,17 +150,22 @@ class ModelWorker(WorkerBase):
 
     @property
     def is_output_rank(self) -> bool:
-        return self.is_last_stage and self.tp_rank == 0
+        return self.is_last_stage and self.tp_rank == 0 and self.pcp_rank == 0
 
     # -- start-up -----------------------------------------------------------------
 
     def init_device(self) -> None:
         parallel = self.config.parallel
         unsupported = {name: getattr(parallel, name) for name in (
-            "prefill_context_parallel_size", "data_parallel_size") if getattr(parallel, name) != 1}
+            "data_parallel_size",) if getattr(parallel, name) != 1}
         if unsupported or parallel.enable_expert_parallel:
             raise ValueError(
-                f"ModelWorker supports TP, PP and DCP only; got {unsupported or 'EP'}")
+                f"ModelWorker supports TP, PP, PCP and DCP only; got {unsupported or 'EP'}")
+        if self.pcp_size > 1 and self.dcp_size > 1:
+            raise ValueError(
+                f"prefill_context_parallel_size ({self.pcp_size}) and "
+                f"decode_context_parallel_size ({self.dcp_size}) cannot be combined yet: "
+                "use one of them")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
@@ -169,6 +180,7 @@ class ModelWorker(WorkerBase):
             distributed_init_method=self.distributed_init_method, backend=self.context.backend)
         distributed.initialize_model_parallel(
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
+            prefill_context_model_parallel_size=self.pcp_size,
             decode_context_model_parallel_size=self.dcp_size)
         self.owns_distributed = True
         distributed.setup_proc_title_and_log_prefix()
@@ -176,6 +188,8 @@ class ModelWorker(WorkerBase):
         self.pp_group = distributed.get_pp_group()
         if self.dcp_size > 1:
             self.dcp_group = distributed.get_dcp_group()
+        if self.pcp_size > 1:
+            self.pcp_group = distributed.get_pcp_group()
 
     def load_model(self) -> None:
         with _open_checkpoint(self.model_spec) as checkpoint:
@@ -231,8 +245,17 @@ class ModelWorker(WorkerBase):
         """This stage's forward; the logits of ``sample_rows`` on the last stage."""
         stage = self._require_stage()
         device = self.device
-        batch: AttentionBatch | DcpBatch
-        if self.dcp_size > 1:
+        batch: AttentionBatch | DcpBatch | PcpBatch
+        split = split_step(len(token_ids), self.pcp_size)
+        lo, hi = (0, len(token_ids)) if split is None else split[self.pcp_rank]
+        if split is not None:
+            whole = build_attention_batch(layout, self.block_size, device)
+            batch = PcpBatch(build_attention_batch(rows_layout(layout, lo, hi), self.block_size,
+                                                   device),
+                             whole.slot_mapping, [b - a for a, b in split], self.pcp_group)
+            token_ids, positions = token_ids[lo:hi], positions[lo:hi]
+            self.pcp_split_steps += 1
+        elif self.dcp_size > 1:
             batch = build_dcp_batch(layout, self.block_size, self.dcp_size, self.dcp_rank, device)
         else:
             batch = build_attention_batch(layout, self.block_size, device)
@@ -250,8 +273,21 @@ class ModelWorker(WorkerBase):
             self.pp_group.send_tensor_dict({"hidden": hidden, "residual": residual},
                                            dst=self.pp_group.rank_in_group + 1)
             return None
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
-        return stage.compute_logits(hidden, residual, rows)
+        if split is None:
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
+            return stage.compute_logits(hidden, residual, rows)
+        # each PCP rank computes the logits of the sampled rows it holds; all
+        # of them, gathered in row order, go to every rank's sampler
+        mine = torch.tensor([r - lo for r in sample_rows if lo <= r < hi], dtype=torch.int64,
+                            device=device)
+        counts = [sum(1 for r in sample_rows if a <= r < b) for a, b in split]
+        vocab = self.model_config.vocab_size
+        if not any(counts):
+            return torch.empty((0, vocab), dtype=torch.float32, device=device)
+        # a rank without sampled rows (its TP peers have none either) skips the head
+        logits = (stage.compute_logits(hidden, residual, mine) if len(mine)
+                  else torch.empty((0, vocab), dtype=torch.float32, device=device))
+        return gather_rows(logits, self.pcp_group, counts)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

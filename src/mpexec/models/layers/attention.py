@@ -23,6 +23,7 @@ from mpexec.models.context_parallel import DcpBatch, DcpGroup, dcp_attention
 from mpexec.models.kv_cache import AttentionBatch
 from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mpexec.models.layers.rotary import RotaryEmbedding
+from mpexec.models.prefill_parallel import PcpBatch, write_all_rows
 
 
 class Attention:
@@ -44,7 +45,7 @@ class Attention:
         self.dcp = dcp
         self.dcp_head_counts = dcp_head_counts or [num_heads]
 
-    def __call__(self, hidden: torch.Tensor, batch: AttentionBatch | DcpBatch,
+    def __call__(self, hidden: torch.Tensor, batch: AttentionBatch | DcpBatch | PcpBatch,
                  rope: tuple[torch.Tensor, torch.Tensor],
                  cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -55,6 +56,11 @@ class Attention:
         qk = self.rotary.apply(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if isinstance(batch, PcpBatch):
+            # every row's K/V into the cache first; then this rank's rows attend
+            # as a batch of their own over it
+            write_all_rows(batch, k, v, cache)
+            batch = batch.inner
         if isinstance(batch, DcpBatch):
             assert self.dcp is not None, "a DCP batch reached a layer built without DCP"
             return self.o_proj(dcp_attention(q, k, v, batch, cache, self.dcp,
