@@ -266,3 +266,34 @@ def test_pcp_with_dcp_is_refused(two_kv_heads: Path, leak_check: None) -> None:
 
     with pytest.raises(WorkerStartupError, match="cannot be combined"):
         make_executor(two_kv_heads, tp=4, dcp=2, pcp=2, backend="mp")
+
+
+@pytest.mark.slow
+def test_smollm2_pcp2_reproduces_tp1(smollm2_gguf: Path, leak_check: None) -> None:
+    reqs = requests([3, 500], max_tokens=4)
+    reference = run(smollm2_gguf, reqs)
+    runs = run(smollm2_gguf, reqs, pcp=2)
+    for rid, ran in runs.items():
+        assert ran.output == reference[rid].output, rid
+        torch.testing.assert_close(torch.stack(ran.logits), torch.stack(reference[rid].logits),
+                                   atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_pcp_rank_killed_mid_prefill_is_a_worker_death(two_kv_heads: Path,
+                                                         leak_check: None) -> None:
+    from mpexec.outputs import NewRequestData, SchedulerOutput
+
+    prompt = list(range(4, 100)) * 10
+    with make_executor(two_kv_heads, pcp=2, num_blocks=300) as executor:
+        output = SchedulerOutput(step=0)
+        params = SamplingParams(temperature=0, max_tokens=1)
+        output.scheduled_new_reqs.append(
+            NewRequestData("long", prompt, params, list(range(-(-len(prompt) // BLOCK_SIZE)))))
+        output.scheduled_tokens["long"] = prompt
+        output.num_computed_tokens["long"] = 0
+        future = executor.execute_model(output, non_block=True)
+        os.kill(executor.workers[1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            future.result(timeout=60)
+            executor.sample_tokens(None)

@@ -65,7 +65,8 @@ def paths_taken(worker: Any) -> dict[str, Any]:
     from mpexec.distributed.shm_collectives import node_identity
 
     return {"node": node_identity(), "tp_shm": worker.tp_group.shm_active,
-            "pp_routes": worker.pp_group.point_to_point_routes()}
+            "pp_routes": worker.pp_group.point_to_point_routes(),
+            "pcp_split_steps": worker.pcp_split_steps}
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +88,14 @@ def leader_node_id(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def run_two_nodes(tiny_checkpoint: Path, tp: int, pp: int, follower_node_id: str | None,
+                  prompts: list[str] = PROMPTS, **fields: Any,
                   ) -> tuple[list[list[int]], list[dict[str, Any]]]:
     port = free_port()
     follower = start_model_follower(port, follower_node_id)
     try:
         with make_llm(tiny_checkpoint, tp, pp, nnodes=2, master_port=port,
-                      cluster_secret=SECRET) as llm:
-            tokens = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+                      cluster_secret=SECRET, **fields) as llm:
+            tokens = [o.token_ids for o in llm.generate(prompts, greedy())]
             paths = llm.engine.executor.collective_rpc(paths_taken, timeout=30)
         assert follower.wait(30) == 0
     finally:
@@ -109,6 +111,24 @@ def test_pp2_one_stage_per_node_through_gloo(
     assert tokens == one_node_tokens
     assert paths[0]["pp_routes"] == {(0, 1): "gloo"}  # the hidden states took gloo
     assert paths[1]["pp_routes"] == {(0, 1): "gloo"}
+
+
+@pytest.mark.timeout(240)
+def test_pcp2_one_rank_per_node_splits_the_prefill(tiny_checkpoint: Path,
+                                                   leader_node_id: None) -> None:
+    """Prefill context parallelism across the nodes: the prompts' rows split
+    between the two workers, K/V gathered through gloo."""
+    from mpexec import LLM
+
+    prompts = [" ".join(f"word{i}" for i in range(40)), "a b c d e f g h i j k l"]
+    with LLM(str(tiny_checkpoint), executor_backend="uni", num_threads=1,
+             max_num_batched_tokens=64) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, greedy())]
+    tokens, paths = run_two_nodes(tiny_checkpoint, 1, 1, "follower-1", prompts,
+                                  prefill_context_parallel_size=2)
+    assert tokens == expected
+    assert paths[0]["node"] != paths[1]["node"]
+    assert all(p["pcp_split_steps"] > 0 for p in paths)
 
 
 # -- attacks: a node dies while the model generates ----------------------------------
