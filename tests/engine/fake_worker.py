@@ -9,8 +9,11 @@ real sampler guarantees.  The worker also checks what the scheduler sends:
   ``PLACEHOLDER_TOKEN_ID``, which only PP = 1 may send, and only for the
   token this worker sampled itself);
 - positions are contiguous (``num_computed_tokens`` is where the request is);
-- the block table covers every position written, and no block is owned by
-  two live requests;
+- the block table covers every position written, and a block held by two
+  live requests (a shared prefix-cache block) is never written;
+- a request that starts past position 0 (its prefix served by the prefix
+  cache) finds, in each of those blocks, the KV this worker wrote for the
+  same tokens (the worker remembers which tokens filled each full block);
 
 and raises ``AssertionError`` otherwise.  Ranks of the last pipeline stage
 sample; the output rank (first TP rank of the last stage) returns the
@@ -79,6 +82,8 @@ class FakeModelWorker(WorkerBase):
         self._pending: list[tuple[str, int]] = []
         self._execute_s = 0.0
         self.steps_seen: list[int] = []
+        # block -> the tokens from position 0 to the end of the block, when it was filled
+        self.block_contents: dict[int, tuple[int, ...]] = {}
 
     def determine_available_memory(self) -> int:
         return self.kv_bytes
@@ -103,6 +108,8 @@ class FakeModelWorker(WorkerBase):
             assert new.req_id not in self.requests, f"{new.req_id} sent twice"
             self.requests[new.req_id] = _ReqState(
                 list(new.prompt_token_ids), new.sampling_params, list(new.block_ids))
+            self._check_cached_prefix(new.req_id, new.prompt_token_ids, new.block_ids,
+                                      scheduler_output.num_computed_tokens.get(new.req_id, 0))
         for req_id, blocks in scheduler_output.new_block_ids.items():
             self.requests[req_id].block_ids.extend(blocks)
         self._check_blocks()
@@ -112,6 +119,7 @@ class FakeModelWorker(WorkerBase):
             start = scheduler_output.num_computed_tokens[req_id]
             for offset, token in enumerate(tokens):
                 self._place(state, start + offset, token, req_id)
+                self._write(state, start + offset, req_id)
             end = start + len(tokens)
             assert end <= len(state.block_ids) * self.block_size, \
                 f"{req_id}: {end} tokens do not fit {len(state.block_ids)} blocks"
@@ -138,12 +146,30 @@ class FakeModelWorker(WorkerBase):
             state.tokens.append(token)
 
     def _check_blocks(self) -> None:
-        owners: dict[int, str] = {}
+        self.holders: dict[int, list[str]] = {}
         for req_id, state in self.requests.items():
+            assert len(set(state.block_ids)) == len(state.block_ids), f"{req_id}: block twice"
             for block in state.block_ids:
                 assert 0 <= block < self.num_blocks, f"block {block} out of range"
-                assert block not in owners, f"block {block} owned by {owners[block]} and {req_id}"
-                owners[block] = req_id
+                self.holders.setdefault(block, []).append(req_id)
+
+    def _check_cached_prefix(self, req_id: str, tokens: list[int], block_ids: list[int],
+                             start: int) -> None:
+        assert start % self.block_size == 0, f"{req_id}: a cached prefix ends mid-block"
+        assert start < len(tokens), f"{req_id}: no token left to compute"
+        for index in range(start // self.block_size):
+            want = tuple(tokens[:(index + 1) * self.block_size])
+            got = self.block_contents.get(block_ids[index])
+            assert got == want, f"{req_id}: cached block {block_ids[index]} holds other tokens"
+
+    def _write(self, state: _ReqState, position: int, req_id: str) -> None:
+        block = state.block_ids[position // self.block_size]
+        holders = self.holders.get(block, [])
+        assert holders == [req_id], f"{req_id} writes block {block} shared with {holders}"
+        if position % self.block_size == 0:
+            self.block_contents.pop(block, None)
+        if position % self.block_size == self.block_size - 1:
+            self.block_contents[block] = tuple(state.tokens[:position + 1])
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         if not self.is_output_rank:

@@ -78,7 +78,7 @@ def test_block_manager_counts_and_rejects_double_free() -> None:
     assert not manager.can_allocate(2)
     with pytest.raises(RuntimeError):
         manager.allocate("b", 2)
-    with pytest.raises(RuntimeError, match="owned by a"):
+    with pytest.raises(RuntimeError, match="held by a"):
         manager.free("b", [0])
     manager.free("a", a)
     assert manager.num_free_blocks == 4

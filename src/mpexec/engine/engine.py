@@ -81,6 +81,9 @@ class EngineStats:
     steps: int = 0
     scheduled_tokens: int = 0
     sampled_tokens: int = 0
+    # Prefix cache: prompt tokens looked up, and those served from the cache.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # Synchronous steps only: driver-side time of execute_model + sample_tokens,
     # and the time the output rank reported inside those two methods.
     sync_step_s: list[float] = field(default_factory=list)
@@ -218,6 +221,9 @@ class Engine:
     def _dispatch(self, scheduler_output: SchedulerOutput) -> None:
         self.stats.steps += 1
         self.stats.scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        cache_stats = self.scheduler.blocks.stats
+        self.stats.prefix_cache_queries = cache_stats.queries
+        self.stats.prefix_cache_hits = cache_stats.hits
         if not self.async_scheduling:
             started = time.perf_counter()
             executed: Any = self.executor.execute_model(scheduler_output)

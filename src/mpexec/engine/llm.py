@@ -91,6 +91,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
+        enable_prefix_caching: bool = True,
         kv_cache_memory_bytes: int | None = None,
         device: str = "auto",
         num_threads: int | None = None,
@@ -163,7 +164,9 @@ class LLM:
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_num_seqs=max_num_seqs,
                                      # a block holds block_size tokens on each DCP rank
-                                     block_size=block_size * decode_context_parallel_size)
+                                     block_size=block_size * decode_context_parallel_size,
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     prefix_cache_namespace=f"{model}|{dtype}")
             self._engine = Engine(executor, limits, eos)
         except BaseException:
             executor.shutdown()

@@ -55,6 +55,12 @@ class Request:
     # Steps scheduled with this request whose outputs have not been processed.
     num_steps_in_flight: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Prefix cache: the hashes of the request's full blocks of known tokens
+    # (computed as needed), how many of ``block_ids`` are registered in (or
+    # came from) the cache, and the prompt tokens the cache served.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
     epoch_step: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

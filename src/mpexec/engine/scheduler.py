@@ -20,7 +20,17 @@
    at the end of the running queue is preempted (its blocks freed, its id
    put in ``finished_req_ids`` so workers forget it, and it waits again,
    later resent as new with prompt + the tokens generated so far);
-2. then waiting requests, unless this step preempted one.
+2. then waiting requests, unless this step preempted one.  With prefix
+   caching a request first looks up the longest run of cached full blocks
+   naming its first tokens (at most all but its last token, whose logits
+   it needs): those blocks are shared, ``num_computed_tokens`` starts past
+   them, and only the rest is computed.
+
+Every full block a step schedules is registered in the prefix cache (by
+its hash, :mod:`mpexec.engine.prefix_cache`) once the step is built, so a
+request admitted in a later step can share it; a block whose tokens are
+not all known yet (a placeholder) waits.  Finished and preempted requests
+release their blocks to the cache (LRU), not to oblivion.
 
 ``update_from_output()`` takes the step's
 :class:`~mpexec.outputs.ModelRunnerOutput`, appends each sampled token and
@@ -47,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mpexec.engine.block_manager import BlockManager, blocks_for
+from mpexec.engine.prefix_cache import extend_hashes, root_hash
 from mpexec.engine.request import FinishReason, Request, RequestStatus
 from mpexec.outputs import (
     PLACEHOLDER_TOKEN_ID,
@@ -66,6 +77,11 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     block_size: int = 16
+    # Share the KV of full blocks between requests with the same prefix.
+    enable_prefix_caching: bool = True
+    # What the KV depends on besides the tokens (model, dtype): blocks of
+    # engines with different namespaces never match.
+    prefix_cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -90,7 +106,9 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, num_blocks: int,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.limits = limits
-        self.blocks = BlockManager(num_blocks, limits.block_size)
+        self.blocks = BlockManager(num_blocks, limits.block_size,
+                                   enable_caching=limits.enable_prefix_caching)
+        self._root_hash = root_hash(limits.prefix_cache_namespace)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -182,12 +200,21 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and len(batch) < room
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
-            count = min(request.num_tokens, budget)
-            needed = blocks_for(count, self.limits.block_size)
-            if not self.blocks.can_allocate(needed):
+            hits = self._cached_prefix(request)
+            num_cached = len(hits) * self.limits.block_size
+            count = min(request.num_tokens - num_cached, budget)
+            needed = blocks_for(num_cached + count, self.limits.block_size) - len(hits)
+            if not self.blocks.can_allocate(needed + self.blocks.num_unheld(hits)):
                 break
             self.waiting.popleft()
-            request.block_ids = self.blocks.allocate(request.req_id, needed)
+            self.blocks.take(request.req_id, hits)
+            request.block_ids = hits + self.blocks.allocate(request.req_id, needed)
+            request.num_computed_tokens = num_cached
+            request.num_cached_blocks = len(hits)
+            request.num_cached_tokens = num_cached
+            if self.blocks.enable_caching:
+                self.blocks.stats.queries += request.num_tokens
+                self.blocks.stats.hits += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled_new_reqs.append(NewRequestData(
@@ -200,10 +227,39 @@ class Scheduler:
 
         if not batch:
             return None
+        for item in batch:
+            self._cache_full_blocks(item.request)
         output.finished_req_ids, self._forget = self._forget, set()
         self._in_flight[step] = batch
         self._next_step += 1
         return output
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks holding ``request``'s first tokens (never its last token)."""
+        if not self.blocks.enable_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.limits.block_size
+        hashes = request.block_hashes
+        if len(hashes) < usable:
+            extend_hashes(hashes, request.all_token_ids[:usable * self.limits.block_size],
+                          self.limits.block_size, self._root_hash)
+        return self.blocks.find_cached(hashes[:usable])
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is scheduled and tokens known."""
+        if not self.blocks.enable_caching:
+            return
+        size = self.limits.block_size
+        full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * size) \
+            // size
+        if full <= request.num_cached_blocks:
+            return
+        if len(request.block_hashes) < full:
+            extend_hashes(request.block_hashes, request.all_token_ids[:full * size], size,
+                          self._root_hash)
+        for index in range(request.num_cached_blocks, full):
+            self.blocks.cache(request.block_ids[index], request.block_hashes[index])
+        request.num_cached_blocks = full
 
     def _tokens_to_run(self, request: Request, budget: int, allow_placeholders: bool) -> int:
         if request.num_steps_in_flight and not allow_placeholders:
@@ -232,8 +288,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: int) -> None:
         logger.debug("preempting %s (recompute): KV blocks ran out", request.req_id)
         self.running.remove(request)
-        self.blocks.free(request.req_id, request.block_ids)
-        request.block_ids = []
+        self._release_blocks(request)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.status = RequestStatus.WAITING
@@ -296,11 +351,16 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _release_blocks(self, request: Request) -> None:
+        self._cache_full_blocks(request)
+        self.blocks.free(request.req_id, request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.blocks.free(request.req_id, request.block_ids)
-            request.block_ids = []
+            self._release_blocks(request)
             self._forget.add(request.req_id)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
