@@ -118,6 +118,8 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # requests the workers should forget before running this step
     finished_req_ids: set[str] = field(default_factory=set)
+    # what the KV connector's workers do this step (loads, saves), if one is configured
+    kv_connector_metadata: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -136,13 +138,19 @@ class GrammarOutput:
 
 @dataclass
 class KVConnectorOutput:
-    """KV cache transfer progress reported by one worker (or merged)."""
+    """KV cache transfer progress reported by one worker (or merged).
+
+    ``invalid_block_ids``: blocks a worker failed to load (merged over the
+    workers as a union: one failure spoils the block for all).
+    """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] | None = None
 
     def is_empty(self) -> bool:
-        return not self.finished_sending and not self.finished_recving
+        return not self.finished_sending and not self.finished_recving \
+            and not self.invalid_block_ids
 
 
 @dataclass
@@ -217,17 +225,20 @@ class KVOutputAggregator:
         """
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
+        invalid: set[int] = set()
         for output in outputs:
             kv = getattr(output, "kv_connector_output", None)
             if kv is None:
                 continue
             self._count(kv.finished_sending, self._send_remaining, finished_sending)
             self._count(kv.finished_recving, self._recv_remaining, finished_recving)
+            invalid.update(kv.invalid_block_ids or ())
         chosen = outputs[output_rank]
         if not isinstance(chosen, ModelRunnerOutput):
             return chosen
         merged = KVConnectorOutput(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
+            invalid_block_ids=invalid or None,
         )
         return replace(chosen, kv_connector_output=merged)

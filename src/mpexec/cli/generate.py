@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="share the KV of common prompt prefixes (on)")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
+                        '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     nodes = parser.add_argument_group(
         "several nodes", "this process leads (node 0); run `mpexec node` on every other node")
@@ -157,6 +160,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    max_model_len=getattr(args, "max_model_len", None),
                    max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level,
                    enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                   kv_transfer_config=getattr(args, "kv_transfer_config", None),
                    **nodes)
     except WorkerStartupError as exc:
         if nnodes > 1 and "did not join" in str(exc):

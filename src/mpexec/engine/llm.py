@@ -92,6 +92,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        kv_transfer_config: dict[str, Any] | str | None = None,
         kv_cache_memory_bytes: int | None = None,
         device: str = "auto",
         num_threads: int | None = None,
@@ -117,6 +118,11 @@ class LLM:
                 f"{on_node}, but this machine has {usable_cpus()} usable CPUs: one worker "
                 "needs one CPU")
         is_model_worker = worker_cls == MODEL_WORKER
+        connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
+                                 parallel.world_size)
+        if connector is not None:
+            # every worker's finished transfers, merged: not only the output rank's reply
+            executor_fields["aggregate_kv_outputs"] = True
         if is_model_worker:
             path = _resolve(model)
             if num_threads is None and device_type == "cpu":
@@ -129,7 +135,7 @@ class LLM:
                 "max_model_len": max_model_len,  # None: the checkpoint's
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
-                "num_threads": num_threads,
+                "num_threads": num_threads, "kv_transfer_config": connector,
             }
             kwargs.update(worker_kwargs or {})
             executor_fields.setdefault("omp_num_threads", num_threads)
@@ -166,7 +172,8 @@ class LLM:
                                      # a block holds block_size tokens on each DCP rank
                                      block_size=block_size * decode_context_parallel_size,
                                      enable_prefix_caching=enable_prefix_caching,
-                                     prefix_cache_namespace=f"{model}|{dtype}")
+                                     prefix_cache_namespace=f"{model}|{dtype}",
+                                     kv_transfer_config=connector)
             self._engine = Engine(executor, limits, eos)
         except BaseException:
             executor.shutdown()
@@ -346,6 +353,26 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: int,
+                 world_size: int) -> dict[str, Any] | None:
+    """``kv_transfer_config`` (a dict or its JSON) completed with what the engine knows."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        import json
+
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("kv_transfer_config must be a JSON object")
+    from mpexec.models.kv_connector import KVTransferConfig
+
+    return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
+                                      world_size=world_size).to_dict()
 
 
 def _resolve(model: str | os.PathLike[str]) -> Any:

@@ -28,6 +28,7 @@ from mpexec.outputs import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # a KV connector loads its prefix
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -61,6 +62,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int = 0
+    # KV connector: tokens loaded from outside; a failed load means recompute.
+    num_external_tokens: int = 0
+    skip_kv_load: bool = False
+    # Admitted through a KV load: the workers get its NewRequestData when it first runs.
+    needs_new_data: bool = False
     epoch_step: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -26,6 +26,13 @@
    it needs): those blocks are shared, ``num_computed_tokens`` starts past
    them, and only the rest is computed.
 
+KV connector (``kv_transfer_config``): past the prefix cache's hits, the
+connector may offer more of the prefix from outside (host memory, disk).
+Such a request gets blocks for it and waits (``WAITING_FOR_REMOTE_KVS``)
+for one step in which the workers load them; it runs once every worker
+reported the load, or, if one could not, frees those blocks and recomputes.
+Each step carries the connector's metadata (loads, saves) to the workers.
+
 Every full block a step schedules is registered in the prefix cache (by
 its hash, :mod:`mpexec.engine.prefix_cache`) once the step is built, so a
 request admitted in a later step can share it; a block whose tokens are
@@ -55,10 +62,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from mpexec.engine.block_manager import BlockManager, blocks_for
 from mpexec.engine.prefix_cache import extend_hashes, root_hash
 from mpexec.engine.request import FinishReason, Request, RequestStatus
+from mpexec.models.kv_connector import (
+    KVConnectorBase,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+)
 from mpexec.outputs import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -82,6 +96,8 @@ class SchedulerLimits:
     # What the KV depends on besides the tokens (model, dtype): blocks of
     # engines with different namespaces never match.
     prefix_cache_namespace: str = ""
+    # The KV connector's settings (KVTransferConfig.to_dict()); None: no connector.
+    kv_transfer_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -109,6 +125,13 @@ class Scheduler:
         self.blocks = BlockManager(num_blocks, limits.block_size,
                                    enable_caching=limits.enable_prefix_caching)
         self._root_hash = root_hash(limits.prefix_cache_namespace)
+        self.connector: KVConnectorBase | None = None
+        if limits.kv_transfer_config is not None:
+            self.connector = create_connector(KVTransferConfig(**limits.kv_transfer_config),
+                                              KVConnectorRole.SCHEDULER)
+        self._loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
+        # blocks are named when they can be shared or a connector stores them
+        self._hashing = limits.enable_prefix_caching or self.connector is not None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -191,17 +214,25 @@ class Scheduler:
                 break
             new_blocks = self.blocks.allocate(request.req_id, needed)
             request.block_ids.extend(new_blocks)
-            if new_blocks:
+            if request.needs_new_data:  # admitted through a KV load: new to the workers
+                request.needs_new_data = False
+                output.scheduled_new_reqs.append(self._new_request_data(request))
+            elif new_blocks:
                 output.new_block_ids[request.req_id] = new_blocks
             batch.append(self._place(output, request, count))
             budget -= count
             index += 1
 
         while (not preempted and self.waiting and budget > 0 and len(batch) < room
-               and len(self.running) < self.limits.max_num_seqs):
+               and len(self.running) + len(self._loading) < self.limits.max_num_seqs):
             request = self.waiting[0]
             hits = self._cached_prefix(request)
             num_cached = len(hits) * self.limits.block_size
+            external = self._external_tokens(request, num_cached)
+            if external:
+                if not self._start_load(request, hits, external):
+                    break
+                continue
             count = min(request.num_tokens - num_cached, budget)
             needed = blocks_for(num_cached + count, self.limits.block_size) - len(hits)
             if not self.blocks.can_allocate(needed + self.blocks.num_unheld(hits)):
@@ -217,26 +248,91 @@ class Scheduler:
                 self.blocks.stats.hits += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            output.scheduled_new_reqs.append(NewRequestData(
-                req_id=request.req_id,
-                prompt_token_ids=request.all_token_ids,
-                sampling_params=request.sampling_params,
-                block_ids=list(request.block_ids)))
+            output.scheduled_new_reqs.append(self._new_request_data(request))
             batch.append(self._place(output, request, count))
             budget -= count
 
-        if not batch:
+        # a step for the connector alone: work to send, or (nothing else in
+        # flight) loads whose completion only the workers' replies can tell
+        connector_work = self.connector is not None and (
+            self.connector.has_pending_work() or (bool(self._loading) and not self._in_flight))
+        if not batch and not connector_work:
             return None
         for item in batch:
-            self._cache_full_blocks(item.request)
+            self._cache_full_blocks(item.request, computed=True)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         output.finished_req_ids, self._forget = self._forget, set()
         self._in_flight[step] = batch
         self._next_step += 1
         return output
 
+    @staticmethod
+    def _new_request_data(request: Request) -> NewRequestData:
+        return NewRequestData(req_id=request.req_id, prompt_token_ids=request.all_token_ids,
+                              sampling_params=request.sampling_params,
+                              block_ids=list(request.block_ids))
+
+    # -- KV connector -------------------------------------------------------------------
+
+    def _external_tokens(self, request: Request, num_cached: int) -> int:
+        if self.connector is None or request.skip_kv_load:
+            return 0
+        return self.connector.get_num_new_matched_tokens(request, num_cached)
+
+    def _start_load(self, request: Request, hits: list[int], external: int) -> bool:
+        """Blocks for the cached prefix and the tokens to load; False if they do not fit."""
+        needed = external // self.limits.block_size
+        if not self.blocks.can_allocate(needed + self.blocks.num_unheld(hits)):
+            return False
+        assert self.connector is not None
+        self.waiting.popleft()
+        self.blocks.take(request.req_id, hits)
+        loaded = self.blocks.allocate(request.req_id, needed)
+        request.block_ids = hits + loaded
+        request.num_cached_blocks = len(hits)
+        request.num_cached_tokens = len(hits) * self.limits.block_size
+        request.num_external_tokens = external
+        self.blocks.stats.queries += request.num_tokens
+        self.blocks.stats.hits += request.num_cached_tokens
+        self.connector.update_state_after_alloc(request, loaded, external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._loading[request.req_id] = request
+        return True
+
+    def _finish_loads(self, kv: Any) -> None:
+        """Loads every worker finished: run the request, or recompute what failed."""
+        assert self.connector is not None
+        self.connector.update_connector_output(kv)
+        invalid = kv.invalid_block_ids or set()
+        for req_id in kv.finished_recving or ():
+            request = self._loading.pop(req_id, None)
+            if request is None:
+                continue  # aborted while loading: its blocks are already free
+            loaded = request.block_ids[request.num_cached_blocks:]
+            if invalid & set(loaded):
+                logger.warning("%s: loading %d KV blocks failed; recomputing them", req_id,
+                               len(loaded))
+                first = request.num_cached_blocks
+                self.connector.load_failed(request.block_hashes[first:first + len(loaded)])
+                self.blocks.free(request.req_id, request.block_ids)
+                request.block_ids = []
+                request.num_cached_blocks = 0
+                request.skip_kv_load = True
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                continue
+            request.num_computed_tokens = request.num_cached_tokens + request.num_external_tokens
+            self._cache_full_blocks(request)  # the loaded blocks join the prefix cache
+            request.status = RequestStatus.RUNNING
+            request.needs_new_data = True
+            self.running.append(request)
+
+    # -- prefix cache -----------------------------------------------------------------
+
     def _cached_prefix(self, request: Request) -> list[int]:
         """The cached blocks holding ``request``'s first tokens (never its last token)."""
-        if not self.blocks.enable_caching:
+        if not self._hashing:
             return []
         usable = (request.num_tokens - 1) // self.limits.block_size
         hashes = request.block_hashes
@@ -245,9 +341,13 @@ class Scheduler:
                           self.limits.block_size, self._root_hash)
         return self.blocks.find_cached(hashes[:usable])
 
-    def _cache_full_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is scheduled and tokens known."""
-        if not self.blocks.enable_caching:
+    def _cache_full_blocks(self, request: Request, computed: bool = False) -> None:
+        """Register the request's full blocks whose KV is scheduled and tokens known.
+
+        ``computed``: the blocks are the request's own work, held by it while
+        this step runs, so the connector may save them after the forward.
+        """
+        if not self._hashing:
             return
         size = self.limits.block_size
         full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * size) \
@@ -259,6 +359,10 @@ class Scheduler:
                           self._root_hash)
         for index in range(request.num_cached_blocks, full):
             self.blocks.cache(request.block_ids[index], request.block_hashes[index])
+        if computed and self.connector is not None:
+            self.connector.blocks_computed(
+                list(zip(request.block_ids[request.num_cached_blocks:full],
+                         request.block_hashes[request.num_cached_blocks:full], strict=True)))
         request.num_cached_blocks = full
 
     def _tokens_to_run(self, request: Request, budget: int, allow_placeholders: bool) -> int:
@@ -291,6 +395,7 @@ class Scheduler:
         self._release_blocks(request)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.needs_new_data = False
         request.status = RequestStatus.WAITING
         request.epoch_step = step  # outputs of earlier steps no longer count
         request.num_preemptions += 1
@@ -304,6 +409,9 @@ class Scheduler:
                            output: ModelRunnerOutput | None) -> list[Request]:
         """Apply one step's sampled tokens; the requests that changed, in batch order."""
         batch = self._in_flight.pop(scheduler_output.step)
+        kv = output.kv_connector_output if output is not None else None
+        if self.connector is not None and kv is not None:
+            self._finish_loads(kv)
         sampled: dict[str, int] = {}
         logprobs: dict[str, float] = {}
         if output is not None:
@@ -358,12 +466,20 @@ class Scheduler:
         request.num_cached_blocks = 0
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if self.connector is not None and not request.is_finished:
+            self.connector.request_finished(request, list(request.block_ids))
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._release_blocks(request)
             self._forget.add(request.req_id)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # the load in flight writes these blocks before any later step reuses them
+            del self._loading[request.req_id]
+            self.blocks.free(request.req_id, request.block_ids)
+            request.block_ids = []
+            self._forget.add(request.req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.monotonic()

@@ -22,6 +22,13 @@ Every rank of the last stage samples (all hold the same gathered logits,
 so all pick the same tokens and can resolve ``PLACEHOLDER_TOKEN_ID``); the
 output rank (TP rank 0 of the last stage) returns the ModelRunnerOutput.
 
+A KV connector (``kv_transfer_config``) wraps each step: its loads before
+the forward (``start_load_kv``; ``wait_for_layer_load`` per local layer),
+its saves after it (``save_kv_layer`` per local layer, ``wait_for_save``);
+then every rank, not only the output rank, replies to ``sample_tokens``
+with what it finished (``KVConnectorOutput``), for the executor's
+aggregator to merge.
+
 With world size 1 the worker uses one-rank stand-in groups and never
 initialises ``torch.distributed`` (so in-process executors can coexist).
 """
@@ -50,13 +57,25 @@ from mpexec.models.kv_cache import (
     kv_block_bytes,
     memory_budget,
 )
+from mpexec.models.kv_connector import (
+    KVConnectorBase,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+)
 from mpexec.models.layers.parallel import SingleRankGroup
 from mpexec.models.llama import LlamaStage, load_stage
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
 from mpexec.models.sampler import SampleRequest, sample, unpack_bitmask
 from mpexec.models.sharding import pipeline_layers, rank_share
 from mpexec.models.step import RequestTable
-from mpexec.outputs import DraftTokenIds, GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from mpexec.outputs import (
+    DraftTokenIds,
+    GrammarOutput,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +117,8 @@ class ModelWorker(WorkerBase):
                  block_size: int = 16, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_memory_bytes: int | None = None,
                  seed: int = 0, pp_layer_partition: list[int] | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 kv_transfer_config: dict[str, Any] | None = None) -> None:
         super().__init__(context)
         for name, value in (("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -139,6 +159,10 @@ class ModelWorker(WorkerBase):
         self.requests = RequestTable(seed)
         self.pending: deque[PendingStep] = deque()
         self.last_sampled_req_ids: list[str] = []
+        self.connector: KVConnectorBase | None = None
+        if kv_transfer_config is not None:
+            self.connector = create_connector(KVTransferConfig(**kv_transfer_config),
+                                              KVConnectorRole.WORKER, rank=self.rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -234,6 +258,8 @@ class ModelWorker(WorkerBase):
         self.cache = KVCache(num_layers=len(stage.layers), num_blocks=num_blocks,
                              block_size=self.block_size, num_kv_heads=stage.num_kv_heads,
                              head_dim=stage.head_dim, dtype=self.dtype, device=self.device)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.cache)
         logger.info("KV cache: %d blocks of %d tokens (%d MiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_cache_block_bytes() >> 20)
 
@@ -259,6 +285,10 @@ class ModelWorker(WorkerBase):
             batch = build_dcp_batch(layout, self.block_size, self.dcp_size, self.dcp_rank, device)
         else:
             batch = build_attention_batch(layout, self.block_size, device)
+        connector = self.connector if cache is self.cache else None
+        if connector is not None:
+            for index in range(len(stage.layers)):
+                connector.wait_for_layer_load(index)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
         if self.is_first_stage:
             ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
@@ -269,6 +299,9 @@ class ModelWorker(WorkerBase):
             hidden, residual = stage.forward(positions=position_tensor, batch=batch,
                                              cache=cache, hidden=received["hidden"],
                                              residual=received["residual"])
+        if connector is not None:
+            for index in range(len(stage.layers)):
+                connector.save_kv_layer(index, cache.layer(index))
         if not self.is_last_stage:
             self.pp_group.send_tensor_dict({"hidden": hidden, "residual": residual},
                                            dst=self.pp_group.rank_in_group + 1)
@@ -308,17 +341,28 @@ class ModelWorker(WorkerBase):
             raise ValueError(f"position {max(step.positions)} is beyond max_model_len "
                              f"{self.max_model_len}")
         logits = None
+        connector = self.connector
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            connector.start_load_kv()
         if step.token_ids:
             logits = self._run_stage(step.token_ids, step.positions, step.layout,
                                      step.sample_rows, self.cache)
+        if connector is not None:
+            connector.wait_for_save()
+            connector.clear_connector_metadata()
         if self.is_last_stage:
             self.pending.append(PendingStep(step.sample_req_ids, step.sample_requests, logits,
                                             time.perf_counter() - started))
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        kv_output = None
+        if self.connector is not None:
+            sending, recving, invalid = self.connector.get_finished()
+            kv_output = KVConnectorOutput(sending or None, recving or None, invalid or None)
         if not self.is_last_stage:
-            return None
+            return None if kv_output is None else ModelRunnerOutput(kv_connector_output=kv_output)
         started = time.perf_counter()
         if not self.pending:
             raise RuntimeError("sample_tokens() without a step from execute_model()")
@@ -331,14 +375,14 @@ class ModelWorker(WorkerBase):
         self.requests.record_sampled(pending.req_ids, tokens)
         self.last_sampled_req_ids = pending.req_ids
         if not self.is_output_rank:
-            return None
+            return None if kv_output is None else ModelRunnerOutput(kv_connector_output=kv_output)
         per_request: list[list[float] | None] | None = None
         if logprobs is not None:
             per_request = [[lp] if r.params.logprobs else None
                            for lp, r in zip(logprobs, pending.requests, strict=True)]
         return ModelRunnerOutput(
             req_ids=list(pending.req_ids), sampled_token_ids=[[t] for t in tokens],
-            logprobs=per_request,
+            logprobs=per_request, kv_connector_output=kv_output,
             extra={"worker_execute_s": pending.execute_s,
                    "worker_sample_s": time.perf_counter() - started})
 

@@ -1,0 +1,16 @@
+"""KV connectors: KV blocks loaded from and saved to outside the paged cache.
+
+``base`` holds the interface both sides speak and the configuration;
+``offload`` the CPU (and disk) offload connector.
+"""
+
+from mpexec.models.kv_connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+)
+
+__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVTransferConfig",
+           "create_connector"]

@@ -1,0 +1,42 @@
+"""KV connectors for tests, loaded by the workers as ``tests.engine.kv_connectors:Name``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpexec.models.kv_connector.offload import CPUOffloadConnector, OffloadMetadata
+
+
+class LaggingOffloadConnector(CPUOffloadConnector):
+    """CPU offload whose rank 1 loads late (an asynchronous transfer).
+
+    Rank 1 copies a step's loads only after the forward of the *next* step
+    and reports them then, so a scheduler that ran a request as soon as one
+    worker reported its load would compute on rank 1's stale blocks.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: list[list[Any]] = []  # [steps waited, metadata]
+        self.lagged_loads = 0
+
+    def start_load_kv(self) -> None:
+        if self.rank != 1:
+            super().start_load_kv()
+            return
+        current = self._metadata
+        if isinstance(current, OffloadMetadata) and current.loads:
+            self._deferred.append([0, OffloadMetadata(loads=current.loads)])
+            self.lagged_loads += 1
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        current, keep = self._metadata, []
+        for entry in self._deferred:
+            if entry[0] >= 1:
+                self._metadata = entry[1]
+                super().start_load_kv()
+            else:
+                entry[0] += 1
+                keep.append(entry)
+        self._metadata, self._deferred = current, keep
