@@ -147,3 +147,31 @@ def test_curve_reaches_the_leader_and_the_follower(monkeypatch: pytest.MonkeyPat
     assert seen["curve"] is True
     assert node.run(cli.build_parser().parse_args(follower)) == 0
     assert seen["curve"] is None  # MPEXEC_CLUSTER_CURVE decides
+
+
+def test_kv_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[argparse.Namespace] = []
+
+    def start(args: argparse.Namespace, tp: int, pp: int) -> LLM:
+        seen.append(args)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(generate, "start_llm", start)
+    config = '{"kv_connector": "CPUOffloadConnector"}'
+    assert cli.main(["generate", "--prompt", "x", "--no-enable-prefix-caching",
+                     "--kv-transfer-config", config]) == 2
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    assert seen[0].enable_prefix_caching is False and seen[0].kv_transfer_config == config
+    assert seen[1].enable_prefix_caching is True and seen[1].kv_transfer_config is None
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"kv_connector": "Nope"}', "unknown kv_connector"),
+    ('{"kv_connector": "CPUOffloadConnector", "color": 1}', "unknown keys"),
+])
+def test_bad_kv_transfer_config_is_refused_before_any_worker_starts(config: str,
+                                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM("fake", worker_cls=FAKE_WORKER, tokenizer=FakeTokenizer(), max_model_len=64,
+            kv_transfer_config=config)

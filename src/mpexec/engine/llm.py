@@ -121,6 +121,8 @@ class LLM:
         connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
                                  parallel.world_size)
         if connector is not None:
+            if not is_model_worker:
+                raise ValueError("kv_transfer_config needs the model worker (worker_cls)")
             # every worker's finished transfers, merged: not only the output rank's reply
             executor_fields["aggregate_kv_outputs"] = True
         if is_model_worker:

@@ -41,7 +41,7 @@ from mpexec.models.kv_connector.base import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_BLOCKS = 4096
+DEFAULT_CPU_BLOCKS = 1024
 DEFAULT_DISK_BLOCKS = 65536
 
 
