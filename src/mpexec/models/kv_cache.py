@@ -124,11 +124,16 @@ class KVCache:
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, layer_range: tuple[int, int] | None = None,
+                 kv_head_range: tuple[int, int] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # which of the model's layers and KV heads this cache holds (KV connectors
+        # exchanging blocks between different layouts need it)
+        self.layer_range = layer_range or (0, num_layers)
+        self.kv_head_range = kv_head_range or (0, num_kv_heads)
         slots = (num_blocks + 1) * block_size
         # Not zeroed: a slot is always written before it is read (see module
         # docstring), and untouched pages of a large CPU allocation stay free.

@@ -156,6 +156,8 @@ class ModelWorker(WorkerBase):
         self.model_config: Any = None
         self.stage: LlamaStage | None = None
         self.cache: KVCache | None = None
+        self.layer_range = (0, 0)
+        self.kv_head_range = (0, 0)
         self.requests = RequestTable(seed)
         self.pending: deque[PendingStep] = deque()
         self.last_sampled_req_ids: list[str] = []
@@ -231,6 +233,8 @@ class ModelWorker(WorkerBase):
                                           self.dcp_size, self.tp_rank)
             max_len = self.max_model_len or config.max_position_embeddings
             self.max_model_len = max_len
+            self.layer_range = layers
+            self.kv_head_range = (share.attention.kv_start, share.attention.kv_stop)
             self.stage = load_stage(checkpoint, config, share, is_first=self.is_first_stage,
                                     is_last=self.is_last_stage, tp_group=self.tp_group,
                                     dtype=self.dtype, device=self.device, max_positions=max_len,
@@ -257,7 +261,8 @@ class ModelWorker(WorkerBase):
         stage = self._require_stage()
         self.cache = KVCache(num_layers=len(stage.layers), num_blocks=num_blocks,
                              block_size=self.block_size, num_kv_heads=stage.num_kv_heads,
-                             head_dim=stage.head_dim, dtype=self.dtype, device=self.device)
+                             head_dim=stage.head_dim, dtype=self.dtype, device=self.device,
+                             layer_range=self.layer_range, kv_head_range=self.kv_head_range)
         if self.connector is not None:
             self.connector.register_kv_caches(self.cache)
         logger.info("KV cache: %d blocks of %d tokens (%d MiB)", num_blocks, self.block_size,

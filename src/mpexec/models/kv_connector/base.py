@@ -43,6 +43,7 @@ from typing import Any
 
 CONNECTORS = {
     "CPUOffloadConnector": "mpexec.models.kv_connector.offload:CPUOffloadConnector",
+    "SharedStorageConnector": "mpexec.models.kv_connector.shared:SharedStorageConnector",
 }
 
 
