@@ -71,18 +71,27 @@ def test_consumer_generates_from_the_producers_kv(tiny_checkpoint: Path, tmp_pat
 
 def test_unfinished_or_broken_blocks_are_recomputed(tiny_checkpoint: Path, tmp_path: Path,
                                                     colocated: list[list[int]]) -> None:
+    from mpexec.engine.prefix_cache import extend_hashes, root_hash
+
     prefill(tiny_checkpoint, tmp_path, 2)
-    blocks = sorted(p.parent for p in tmp_path.rglob("complete"))
-    # a producer that died mid-way: some blocks never got their marker
-    for directory in blocks[::3]:
+    chains = []
+    for prompt in PROMPTS:
+        hashes: list[bytes] = []
+        extend_hashes(hashes, prompt["prompt_token_ids"], 4,
+                      root_hash(f"{tiny_checkpoint}|auto"))
+        chains.append([next(tmp_path.rglob(h.hex())) for h in hashes])
+    # a producer that died mid-way: the second half of one prompt's blocks never
+    # got their marker
+    for directory in chains[1][len(chains[1]) // 2:]:
         (directory / "complete").unlink()
-    # and one complete block lost a shard's bytes
-    broken = next(d for d in blocks[1::3])
-    shard = sorted(broken.glob("*.kv"))[0]
+    # and the first block of another lost a shard's bytes
+    shard = sorted(chains[2][0].glob("*.kv"))[0]
     shard.write_bytes(shard.read_bytes()[:10])
     with make_llm(tiny_checkpoint, "mp", 2, 1, True, block_size=4,
                   kv_transfer_config=shared(tmp_path, "kv_consumer")) as consumer:
         out = consumer.generate(PROMPTS, params())
         connector: Any = consumer.engine.scheduler.connector
         assert [o.token_ids for o in out] == colocated
-        assert connector.num_failed_loads >= 1
+        # prompt 0: all 9 blocks; prompt 1: the 5 marked ones; prompt 2: 11 tried, failed
+        assert connector.num_loaded_blocks == 9 + 5 + 11
+        assert connector.num_failed_loads == 1

@@ -1,7 +1,8 @@
 """KV connectors: KV blocks loaded from and saved to outside the paged cache.
 
 ``base`` holds the interface both sides speak and the configuration;
-``offload`` the CPU (and disk) offload connector.
+``offload`` the CPU (and disk) offload connector; ``shared`` disaggregated
+prefill through a shared-memory directory.
 """
 
 from mpexec.models.kv_connector.base import (

@@ -106,19 +106,19 @@ class HostKVStore:
             return data
         if self.directory is None:
             return None
+        import numpy
         import torch
 
         try:
-            raw = self._file(block_hash).read_bytes()
+            raw = numpy.fromfile(self._file(block_hash), dtype=numpy.uint8)
         except OSError:
             return None
         expected = like.numel() * like.element_size()
-        if len(raw) != expected:
+        if raw.size != expected:
             logger.warning("offloaded KV block %s has %d bytes, expected %d: ignored",
-                           block_hash.hex(), len(raw), expected)
+                           block_hash.hex(), raw.size, expected)
             return None
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype)
-        return data.view(like.shape)
+        return torch.from_numpy(raw).view(like.dtype).view(like.shape)
 
     def drop(self, block_hash: bytes) -> None:
         self.memory.pop(block_hash, None)
@@ -284,11 +284,15 @@ class CPUOffloadConnector(KVConnectorBase):
             self.store.drop(block_hash)
         if not meta.saves:
             return
+        import torch
+
         tensor = self.cache.tensor
         for block, block_hash in meta.saves:
             try:
-                self.store.put(block_hash, tensor[:, :, self._slots(block)].to(
-                    "cpu", copy=True))
+                data = tensor[:, :, self._slots(block)]
+                # one copy, owned by the store: out of the cache (and off the device)
+                self.store.put(block_hash, data.clone(memory_format=torch.contiguous_format)
+                               if data.device.type == "cpu" else data.cpu())
             except OSError as exc:  # a later load of it fails and is recomputed
                 logger.warning("KV offload: saving block %s failed: %s", block_hash.hex(), exc)
         self._finished_sending.add(meta.save_id)

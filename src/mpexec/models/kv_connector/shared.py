@@ -158,7 +158,8 @@ class SharedStorageConnector(KVConnectorBase):
             directory.mkdir(parents=True, exist_ok=True)
             target = directory / self._shard_name()
             temporary = target.with_suffix(f".{os.getpid()}.tmp")
-            data = tensor[:, :, self._slots(block)].to("cpu", copy=True).contiguous()
+            data = tensor[:, :, self._slots(block)]
+            data = data.contiguous() if data.device.type == "cpu" else data.cpu()
             data.view(-1).view(torch.uint8).numpy().tofile(temporary)
             os.replace(temporary, target)
         self._finished_sending.add(meta.save_id)
@@ -176,6 +177,7 @@ class SharedStorageConnector(KVConnectorBase):
 
     def _load_block(self, target: Any, block_hash: bytes) -> bool:
         """Fill ``target`` [local layers, 2, block, local KV heads, d] from the shards."""
+        import numpy
         import torch
 
         directory = self.root / block_hash.hex()
@@ -196,16 +198,15 @@ class SharedStorageConnector(KVConnectorBase):
                 continue
             shape = (sl1 - sl0, 2, target.shape[2], sh1 - sh0, target.shape[4])
             try:
-                raw = (directory / name).read_bytes()
+                raw = numpy.fromfile(directory / name, dtype=numpy.uint8)
             except OSError:
                 return False
             expected = target.element_size()
             for dim in shape:
                 expected *= dim
-            if len(raw) != expected:
+            if raw.size != expected:
                 return False
-            shard = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
-                target.dtype).view(shape)
+            shard = torch.from_numpy(raw).view(target.dtype).view(shape)
             target[lo - l0:hi - l0, :, :, ho - h0:hj - h0].copy_(
                 shard[lo - sl0:hi - sl0, :, :, ho - sh0:hj - sh0])
             covered[lo - l0:hi - l0, ho - h0:hj - h0] = True
