@@ -109,6 +109,15 @@ def test_kv_aggregator_waits_for_every_worker() -> None:
         KVOutputAggregator(0)
 
 
+def test_kv_aggregator_merges_failed_loads_over_the_workers() -> None:
+    agg = KVOutputAggregator(expected_finished_count=2)
+    failed = ModelRunnerOutput(kv_connector_output=KVConnectorOutput(
+        finished_recving={"r"}, invalid_block_ids={7}))
+    merged = agg.aggregate([kv(recving={"r"}), failed], output_rank=0)
+    assert merged.kv_connector_output == KVConnectorOutput(None, {"r"}, {7})
+    assert not merged.kv_connector_output.is_empty()
+
+
 def test_uniproc_executor_runs_the_worker_in_process() -> None:
     config = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
                             executor_backend="uni")
