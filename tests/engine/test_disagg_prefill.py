@@ -1,5 +1,5 @@
 """Disaggregated prefill on one machine: a producer engine computes the prompts,
-a consumer engine with another TP layout loads their KV and generates.
+a consumer engine with another TP or PP layout loads their KV and generates.
 
 Greedy and seeded tokens equal those of one colocated engine; a block that
 the producer did not finish (no ``complete`` marker) or whose shard is
@@ -51,14 +51,16 @@ def prefill(tiny_checkpoint: Path, path: Path, tp: int) -> int:
     return saved
 
 
-@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(("producer_tp", "consumer_tp", "consumer_pp"),
+                         [(1, 2, 1), (2, 1, 1), (2, 1, 2)])
 def test_consumer_generates_from_the_producers_kv(tiny_checkpoint: Path, tmp_path: Path,
-                                                  colocated: list[list[int]],
-                                                  producer_tp: int, consumer_tp: int) -> None:
+                                                  colocated: list[list[int]], producer_tp: int,
+                                                  consumer_tp: int, consumer_pp: int) -> None:
     saved = prefill(tiny_checkpoint, tmp_path, producer_tp)
     assert saved == sum(len(p["prompt_token_ids"]) // 4 for p in PROMPTS)
-    backend = "uni" if consumer_tp == 1 else "mp"
-    with make_llm(tiny_checkpoint, backend, consumer_tp, 1, consumer_tp > 1, block_size=4,
+    workers = consumer_tp * consumer_pp
+    backend = "uni" if workers == 1 else "mp"
+    with make_llm(tiny_checkpoint, backend, consumer_tp, consumer_pp, workers > 1, block_size=4,
                   kv_transfer_config=shared(tmp_path, "kv_consumer")) as consumer:
         out = consumer.generate(PROMPTS, params())
         connector: Any = consumer.engine.scheduler.connector
