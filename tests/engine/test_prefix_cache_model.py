@@ -45,17 +45,19 @@ def uncached(tiny_checkpoint: Path) -> list[list[int]]:
         return tokens
 
 
-@pytest.mark.parametrize(("backend", "tp", "pp", "async_scheduling", "budget"), [
-    ("uni", 1, 1, False, 64),
-    ("uni", 1, 1, False, 8),  # chunked prefill around the cached prefix
-    ("mp", 2, 1, True, 64),
-    ("mp", 1, 2, True, 16),
+@pytest.mark.parametrize(("backend", "tp", "pp", "async_scheduling", "budget", "cp"), [
+    ("uni", 1, 1, False, 64, {}),
+    ("uni", 1, 1, False, 8, {}),  # chunked prefill around the cached prefix
+    ("mp", 2, 1, True, 64, {}),
+    ("mp", 1, 2, True, 16, {}),
+    ("mp", 1, 1, False, 64, {"prefill_context_parallel_size": 2}),
 ])
 def test_cached_prefix_gives_the_same_tokens(tiny_checkpoint: Path, uncached: list[list[int]],
                                              backend: str, tp: int, pp: int,
-                                             async_scheduling: bool, budget: int) -> None:
+                                             async_scheduling: bool, budget: int,
+                                             cp: dict[str, int]) -> None:
     with make_llm(tiny_checkpoint, backend, tp, pp, async_scheduling, block_size=4,
-                  max_num_batched_tokens=budget) as llm:
+                  max_num_batched_tokens=budget, **cp) as llm:
         assert generate_in_two_waves(llm) == uncached
         stats = llm.engine.stats
         # each later prompt finds the 44 tokens (11 full blocks) of the prefix

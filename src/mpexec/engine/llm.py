@@ -123,6 +123,9 @@ class LLM:
         if connector is not None:
             if not is_model_worker:
                 raise ValueError("kv_transfer_config needs the model worker (worker_cls)")
+            if decode_context_parallel_size > 1 or prefill_context_parallel_size > 1:
+                raise ValueError("kv_transfer_config does not support context parallelism "
+                                 "(decode/prefill_context_parallel_size > 1)")
             # every worker's finished transfers, merged: not only the output rank's reply
             executor_fields["aggregate_kv_outputs"] = True
         if is_model_worker:
