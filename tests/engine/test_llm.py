@@ -86,7 +86,7 @@ def test_user_mistakes_are_clear_errors() -> None:
         assert not llm.engine.has_unfinished_requests()  # the first one was withdrawn
         with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
             llm.generate(["a"], [SamplingParams(), SamplingParams()])
-        with pytest.raises(TypeError, match="prompt 0 must be a string"):
+        with pytest.raises(TypeError, match="the prompt must be text"):
             llm.generate([42])  # type: ignore[list-item]
         assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finished
     with pytest.raises(ValueError, match="top_p"):

@@ -43,6 +43,8 @@ from mpexec.engine.engine import Engine
 from mpexec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import SchedulerLimits
+from mpexec.engine.stream_text import StreamText
+from mpexec.engine.validation import check_int, check_params, prepare_prompt
 from mpexec.executor import Executor
 from mpexec.outputs import SamplingParams
 from mpexec.system.procs import usable_cpus
@@ -103,6 +105,9 @@ class LLM:
         **executor_fields: Any,
     ) -> None:
         self._engine: Engine | None = None
+        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        _check_arguments(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
                                   decode_context_parallel_size=decode_context_parallel_size,
@@ -130,6 +135,9 @@ class LLM:
             executor_fields["aggregate_kv_outputs"] = True
         if is_model_worker:
             path = _resolve(model)
+            # Before any worker starts: a path that is no model, or a context
+            # longer than the model's, fails here in one line.
+            self.vocab_size = _check_model_len(path, max_model_len)
             if num_threads is None and device_type == "cpu":
                 num_threads = max(1, usable_cpus() // world)
             # Follower nodes open the checkpoint at the same path; "default"
@@ -203,28 +211,43 @@ class LLM:
         """
         requests = self._add(self._prompts(prompts), sampling_params)
         total = len(requests)
-        for _ in self._run(requests):
-            if progress is not None:
-                progress(sum(r.is_finished for r, _ in requests), total,
-                         sum(len(r.output_token_ids) for r, _ in requests))
+        try:
+            for _ in self._run(requests):
+                if progress is not None:
+                    progress(sum(r.is_finished for r, _ in requests), total,
+                             sum(len(r.output_token_ids) for r, _ in requests))
+        finally:
+            # A progress callback that raised, or Ctrl-C between steps: the
+            # requests must not stay in the batch of every later call.
+            self._abort_unfinished(requests)
         return [self._output(r, text) for r, text in requests]
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                         ) -> Iterator[RequestOutput]:
-        """Partial outputs as tokens arrive; each request's last one has ``finished``."""
+        """Partial outputs as tokens arrive; each request's last one has ``finished``.
+
+        The text grows by the characters the new tokens complete (only they
+        are decoded); bytes of a character still unfinished are held back.
+        """
         requests = self._add(self._prompts(prompts), sampling_params)
         texts = {r.req_id: text for r, text in requests}
+        decoders = {r.req_id: StreamText(self.tokenizer) for r, _ in requests}
         try:
             for changed in self._run(requests):
                 for request in changed:
-                    yield self._output(request, texts[request.req_id])
+                    text = decoders[request.req_id].update(request.output_token_ids,
+                                                           request.is_finished)
+                    yield self._output(request, texts[request.req_id], text)
         finally:
             # A caller that stops reading early must not leave its requests running.
-            if self._engine is not None and not self._engine.is_dead:
-                for request, _ in requests:
-                    if not request.is_finished:
-                        self._engine.abort_request(request.req_id)
+            self._abort_unfinished(requests)
+
+    def _abort_unfinished(self, requests: list[tuple[Request, str | None]]) -> None:
+        if self._engine is not None and not self._engine.is_dead:
+            for request, _ in requests:
+                if not request.is_finished:
+                    self._engine.abort_request(request.req_id)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -255,50 +278,71 @@ class LLM:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             per_prompt = [params] * len(prompts)
-        else:
+        elif isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        else:
+            per_prompt = [check_params(params)]  # raises: the type is wrong
+        # Everything is checked before the first request is queued.
+        several = len(prompts) > 1
+        checked = []
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            where = index if several else None
+            checked.append((*self._tokenize(prompt, where), check_params(p, where)))
         added: list[tuple[Request, str | None]] = []
         try:
-            for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-                text, ids = self._tokenize(prompt, index)
-                try:
-                    request = self.engine.add_request(ids, p)
-                except ValueError as exc:
-                    where = f"prompt {index}: " if len(prompts) > 1 else ""
-                    raise ValueError(f"{where}{exc}") from None
-                added.append((request, text))
+            for text, ids, p in checked:
+                added.append((self.engine.add_request(ids, p), text))
         except BaseException:
             for request, _ in added:
                 self.engine.abort_request(request.req_id)
             raise
         return added
 
-    def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        raise TypeError(f"prompt {index} must be a string or a dict with 'prompt_token_ids'; "
-                        f"got {type(prompt).__name__}")
+    def _tokenize(self, prompt: PromptType, index: int | None) -> tuple[str | None, list[int]]:
+        return prepare_prompt(prompt, self.tokenizer.encode, self.vocab_size,
+                              self.engine.limits.max_model_len, index)
 
     def _run(self, requests: list[tuple[Request, str | None]]) -> Iterator[list[Request]]:
-        pending = {r.req_id for r, _ in requests}
+        """Step until ``requests`` finish; after each step, those of them that changed.
+
+        Whoever drives a step (another ``generate_stream`` of this LLM, say),
+        a request's change is seen here: each one is compared with what was
+        last handed out, so a request that finished in someone else's step
+        still yields its final state.
+        """
+        seen = {r.req_id: (0, False) for r, _ in requests}
+
+        def changed() -> list[Request]:
+            fresh = []
+            for request, _ in requests:
+                state = (len(request.output_token_ids), request.is_finished)
+                if state != seen[request.req_id]:
+                    seen[request.req_id] = state
+                    fresh.append(request)
+            return fresh
+
         while any(not r.is_finished for r, _ in requests):
-            changed = self.engine.step()
-            mine = [r for r in changed if r.req_id in pending]
+            self.engine.step()
+            mine = changed()
             if mine:
                 yield mine
+        mine = changed()
+        if mine:
+            yield mine
         for request, _ in requests:
             if request.error is not None:
                 raise request.error
 
-    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+    def _output(self, request: Request, prompt: str | None,
+                text: str | None = None) -> RequestOutput:
         tokens = list(request.output_token_ids)
         reason = request.finish_reason.value if request.finish_reason is not None else None
+        if text is None:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         completion = CompletionOutput(
-            index=0, text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            index=0, text=text,
             token_ids=tokens, finish_reason=reason,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None)
         offset = self._clock_offset
@@ -329,6 +373,22 @@ class LLM:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.shutdown()
+
+
+def _check_arguments(**values: Any) -> None:
+    for name, value in values.items():
+        check_int(name, value, minimum=2 if name == "max_model_len" else
+                  (0 if name == "seed" else 1), optional=name == "max_model_len")
+
+
+def _check_model_len(path: Any, max_model_len: int | None) -> int:
+    """The model's vocabulary size; a ValueError when ``max_model_len`` exceeds its context."""
+    config, _ = _open_model(path, with_tokenizer=False)
+    limit = int(config.max_position_embeddings)
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                         f"{limit} (max_position_embeddings of {path})")
+    return int(config.vocab_size)
 
 
 def _device_type(device: str) -> str:
@@ -387,10 +447,10 @@ def _resolve(model: str | os.PathLike[str]) -> Any:
     return fetch.resolve_model(str(model))
 
 
-def _open_model(path: Any) -> tuple[Any, Any]:
-    """The checkpoint's config and tokenizer."""
+def _open_model(path: Any, with_tokenizer: bool = True) -> tuple[Any, Any]:
+    """The checkpoint's config and tokenizer (None without ``with_tokenizer``)."""
     import importlib
 
     loader = importlib.import_module("mpexec.models.loader")
     with loader.open_checkpoint(path) as checkpoint:
-        return checkpoint.config, checkpoint.tokenizer()
+        return checkpoint.config, checkpoint.tokenizer() if with_tokenizer else None
