@@ -53,6 +53,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from types import TracebackType
@@ -62,7 +63,7 @@ from mpexec.config import ExecutorConfig
 from mpexec.engine.block_manager import blocks_for
 from mpexec.engine.request import Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
-from mpexec.errors import MpexecError
+from mpexec.errors import MpexecError, WorkerError
 from mpexec.executor import Executor
 from mpexec.executor.verdict import death_behind
 from mpexec.outputs import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -132,7 +133,9 @@ class Engine:
             limits = replace(limits, max_model_len=capacity)
         self.limits = limits
         self.scheduler = Scheduler(limits, self.num_blocks, eos_token_ids)
-        executor.register_failure_callback(self._dead.set)
+        self._dead_listeners: list[Callable[[], None]] = []
+        self._dispatching: SchedulerOutput | None = None
+        executor.register_failure_callback(self._on_executor_failure)
 
     @classmethod
     def start(cls, config: ExecutorConfig, limits: SchedulerLimits,
@@ -186,6 +189,17 @@ class Engine:
     def is_dead(self) -> bool:
         return self._dead.is_set()
 
+    def add_dead_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (from any thread) when the executor reports a failure."""
+        self._dead_listeners.append(listener)
+        if self._dead.is_set():
+            listener()
+
+    def _on_executor_failure(self) -> None:
+        self._dead.set()
+        for listener in list(self._dead_listeners):
+            listener()
+
     # -- the loop -----------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -208,8 +222,29 @@ class Engine:
             if died is not None:
                 self._fail(died)
                 raise died from exc
+            refused = self._dispatching
+            if refused is not None and self._fails_alone(exc):
+                # The workers refused this step's input and stay in step:
+                # the step's requests fail (or recompute), the rest go on.
+                self._dispatching = None
+                logger.warning("a step failed in the workers; its requests fail alone: %s",
+                               str(exc).splitlines()[0])
+                return self.scheduler.fail_step(refused, exc)
             self._fail(exc)
             raise
+
+    def _fails_alone(self, exc: BaseException) -> bool:
+        """A worker's ValueError/TypeError in a synchronous step on one pipeline stage.
+
+        Those are the workers' checks of a step's input (token ids, positions),
+        raised alike on every rank before any collective, so no rank is left
+        waiting in one; with steps in flight or several stages it is not so.
+        """
+        return (isinstance(exc, WorkerError) and not self.async_scheduling
+                and self.allow_placeholders  # PP == 1
+                and exc.method in ("execute_model", "sample_tokens")
+                and exc.exc_type.rsplit(".", 1)[-1] in ("ValueError", "TypeError")
+                and not self.executor.is_failed)
 
     def _micro_batch_requests(self) -> int | None:
         """With PP micro-batches in flight, each takes its share of the requests."""
@@ -226,8 +261,10 @@ class Engine:
         self.stats.prefix_cache_hits = cache_stats.hits
         if not self.async_scheduling:
             started = time.perf_counter()
+            self._dispatching = scheduler_output
             executed: Any = self.executor.execute_model(scheduler_output)
             sampled: Any = self.executor.sample_tokens(None)
+            self._dispatching = None
             elapsed = time.perf_counter() - started
             result = executed if executed is not None else sampled
             self._record_sync_step(elapsed, result)

@@ -323,17 +323,21 @@ class LLM:
                     fresh.append(request)
             return fresh
 
+        def raise_failed() -> None:
+            for request, _ in requests:
+                if request.error is not None:
+                    raise request.error
+
         while any(not r.is_finished for r, _ in requests):
             self.engine.step()
+            raise_failed()
             mine = changed()
             if mine:
                 yield mine
+        raise_failed()
         mine = changed()
         if mine:
             yield mine
-        for request, _ in requests:
-            if request.error is not None:
-                raise request.error
 
     def _output(self, request: Request, prompt: str | None,
                 text: str | None = None) -> RequestOutput:

@@ -447,6 +447,34 @@ class Scheduler:
             changed.append(request)
         return changed
 
+    def fail_step(self, scheduler_output: SchedulerOutput,
+                  error: BaseException) -> list[Request]:
+        """The workers refused this step (and did not run it): who fails, who recomputes.
+
+        The requests that joined in it fail with ``error`` (finish "abort");
+        so do all of its requests when none joined.  The others are
+        preempted: they recompute from their tokens so far, with the same
+        result.  The workers may not have seen the step's
+        ``finished_req_ids``: they are sent again.  The failed requests, in
+        batch order.
+        """
+        batch = self._in_flight.pop(scheduler_output.step, [])
+        self._forget |= set(scheduler_output.finished_req_ids)
+        joined = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        failed = []
+        for item in batch:
+            request = item.request
+            request.num_steps_in_flight -= 1
+            if request.is_finished:
+                continue
+            if not joined or request.req_id in joined:
+                request.error = error
+                self._finish(request, FinishReason.ABORT)
+                failed.append(request)
+            elif request.status is RequestStatus.RUNNING:
+                self._preempt(request, self._next_step)
+        return failed
+
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
         if not params.ignore_eos and token in self.eos_token_ids:
