@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "SchedulerConfig": "mpexec.config",
     "Executor": "mpexec.executor",
     "LLM": "mpexec.engine.llm",
+    "AsyncLLM": "mpexec.engine.async_llm",
     "SamplingParams": "mpexec.outputs",
     "MessageQueue": "mpexec.ipc",
     "Handle": "mpexec.ipc",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         ParallelConfig as ParallelConfig,
         SchedulerConfig as SchedulerConfig,
     )
+    from mpexec.engine.async_llm import AsyncLLM as AsyncLLM
     from mpexec.engine.llm import LLM as LLM
     from mpexec.errors import (
         MpexecError as MpexecError,

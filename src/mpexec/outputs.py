@@ -68,7 +68,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) \
+                or not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers; got {self.stop_token_ids!r}")
 
     @property

@@ -18,7 +18,9 @@ real sampler guarantees.  The worker also checks what the scheduler sends:
 and raises ``AssertionError`` otherwise.  Ranks of the last pipeline stage
 sample; the output rank (first TP rank of the last stage) returns the
 ``ModelRunnerOutput``.  ``die_at_step`` / ``raise_at_step`` make one rank
-(``fault_rank``) die or raise in ``execute_model`` at that step.
+(``fault_rank``) die or raise in ``execute_model`` at that step;
+``refuse_token`` makes every rank raise ``ValueError`` for a step in which a
+new request's prompt holds that token (a request the workers refuse).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class FakeModelWorker(WorkerBase):
     def __init__(self, context: WorkerContext, *, vocab_size: int = VOCAB_SIZE,
                  block_size: int = 4, kv_bytes: int = 64 * BLOCK_BYTES, seed: int = 0,
                  die_at_step: int | None = None, raise_at_step: int | None = None,
-                 fault_rank: int = 0, step_delay_s: float = 0.0, **kwargs: Any) -> None:
+                 fault_rank: int = 0, step_delay_s: float = 0.0,
+                 refuse_token: int | None = None, **kwargs: Any) -> None:
         super().__init__(context, **kwargs)
         parallel = context.config.parallel
         ranks = context.ranks
@@ -74,6 +77,7 @@ class FakeModelWorker(WorkerBase):
         self.raise_at_step = raise_at_step
         self.fault_rank = fault_rank
         self.step_delay_s = step_delay_s
+        self.refuse_token = refuse_token
         self.is_last_stage = ranks.pp == parallel.pipeline_parallel_size - 1
         self.is_output_rank = self.is_last_stage and ranks.tp == 0
         self.allows_placeholders = parallel.pipeline_parallel_size == 1
@@ -102,6 +106,9 @@ class FakeModelWorker(WorkerBase):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == self.fault_rank and step == self.raise_at_step:
             raise ValueError(f"fake failure at step {step}")
+        for new in scheduler_output.scheduled_new_reqs:
+            if self.refuse_token is not None and self.refuse_token in new.prompt_token_ids:
+                raise ValueError(f"{new.req_id}: token {self.refuse_token} refused")
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:

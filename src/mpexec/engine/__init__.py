@@ -1,16 +1,21 @@
-"""The engine: continuous batching over any executor, and the offline ``LLM`` API.
+"""The engine: continuous batching over any executor, the offline ``LLM`` API
+and the asyncio ``AsyncLLM``.
 
 ``scheduler`` (with ``block_manager`` and ``request``) decides each step;
 ``engine`` runs the steps on an :class:`~mpexec.executor.Executor`; ``llm``
-wraps both with a tokenizer for users.  Nothing here imports torch; the
-model worker the engine drives by default lives in ``mpexec.models``.
+wraps both with a tokenizer for users; ``async_llm`` runs the same loop on
+its own thread for asyncio servers; ``validation`` checks every request
+before it reaches the scheduler.  Nothing here imports torch; the model
+worker the engine drives by default lives in ``mpexec.models``.
 """
 
+from mpexec.engine.async_llm import AsyncLLM
 from mpexec.engine.engine import Engine, EngineDeadError, EngineStats
 from mpexec.engine.request import FinishReason, Request, RequestStatus
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
 
 __all__ = [
+    "AsyncLLM",
     "Engine",
     "EngineDeadError",
     "EngineStats",

@@ -267,8 +267,8 @@ class LLM:
         return prompts
 
     def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
+        if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
+            return [prompts]  # type: ignore[list-item]  # None: refused by prepare_prompt
         return list(prompts)
 
     def _add(self, prompts: list[PromptType],
