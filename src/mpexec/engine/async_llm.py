@@ -32,7 +32,6 @@ refused because of one request's input fails that request alone
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import threading
@@ -354,8 +353,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None],
 
 def _own_copy(exc: BaseException) -> BaseException:
     """One exception instance per stream (each is raised in its own task)."""
+    cls = type(exc)
     try:
-        clone = copy.copy(exc)
+        clone = cls.__new__(cls, *exc.args)
+        clone.args = exc.args
+        clone.__dict__.update(exc.__dict__)
     except Exception:
         return exc
     clone.__cause__ = exc.__cause__
