@@ -42,6 +42,9 @@ MPEXEC_NODE_ID                           (unset)    this process's node, as
 MPEXEC_CLUSTER_CURVE                     0          encrypt the sockets between
                                                     nodes (ZeroMQ CURVE, keys
                                                     from the cluster secret)
+MPEXEC_API_KEY                           (none)     the key ``mpexec serve``
+                                                    asks of every request
+                                                    (when no --api-key)
 =======================================  =========  ==========================
 
 One more is read where it is used, not here: ``MPEXEC_CACHE_DIR`` (default
@@ -81,6 +84,7 @@ class Envs:
     ray_address: str | None = None
     node_id: str | None = None
     cluster_curve: bool = False
+    api_key: str | None = field(default=None, repr=False)
 
 
 def _parse_bool(text: str) -> bool:
@@ -181,4 +185,5 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         ray_address=_read(env, "MPEXEC_RAY_ADDRESS", _parse_address, d.ray_address),
         node_id=_read(env, "MPEXEC_NODE_ID", _parse_address, d.node_id),
         cluster_curve=_read(env, "MPEXEC_CLUSTER_CURVE", _parse_bool, d.cluster_curve),
+        api_key=env.get("MPEXEC_API_KEY") or None,
     )

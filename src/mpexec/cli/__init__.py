@@ -1,4 +1,5 @@
-"""The ``mpexec`` command: ``demo``, ``generate``, ``bench``, ``doctor``, ``node``.
+"""The ``mpexec`` command: ``demo``, ``generate``, ``chat``, ``serve``, ``bench``, ``doctor``,
+``node``.
 
 Subcommands import what they need when they run, so ``mpexec --help`` stays
 instant and never imports torch or starts a process.
@@ -79,6 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_arguments(generate)
     generate.set_defaults(handler=_run_generate)
+
+    from mpexec.cli.chat import add_arguments as add_chat_arguments
+
+    chat = commands.add_parser(
+        "chat",
+        help="talk with the model: each line a user turn, the reply streamed",
+        description="An interactive conversation through the checkpoint's chat template; "
+        "/reset starts over, /exit or Ctrl-D ends.",
+    )
+    add_chat_arguments(chat)
+    chat.set_defaults(handler=_run_chat)
+
+    from mpexec.cli.serve import add_arguments as add_serve_arguments
+
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server for the model",
+        description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
+        "/v1/chat/completions (stream: true as server-sent events), /v1/models, /health, "
+        "/metrics, /tokenize, /detokenize. SIGTERM or Ctrl-C stops it cleanly.",
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=_run_serve)
 
     bench = commands.add_parser(
         "bench",
@@ -172,6 +196,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     from mpexec.cli import generate
 
     return generate.run(args, out=sys.stdout)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from mpexec.cli import chat
+
+    return chat.run(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from mpexec.cli import serve
+
+    return serve.run(args)
 
 
 def _run_node(args: argparse.Namespace) -> int:

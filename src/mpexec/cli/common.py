@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import time
@@ -19,6 +20,12 @@ def check_model(model: str) -> None:
     if not Path(model).expanduser().exists():
         raise UsageError(f"no such model: {model} (give a checkpoint directory, "
                          "a .gguf file, or 'default')")
+    from mpexec.models.fetch import ModelFetchError, check_local_model
+
+    try:
+        check_local_model(Path(model))  # it exists: is it a model?
+    except ModelFetchError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_layout(tp: int, pp: int, nnodes: int = 1) -> None:
@@ -40,6 +47,27 @@ def check_layout(tp: int, pp: int, nnodes: int = 1) -> None:
     if local > cpus:
         raise UsageError(f"{what} CPU workers, but this machine "
                          f"has {cpus} usable CPUs (one worker needs one)")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--nnodes``, ``--node-rank``, ``--master-addr``, ... of a command that leads nodes."""
+    from mpexec.cli import _positive_int
+
+    nodes = parser.add_argument_group(
+        "several nodes", "this process leads (node 0); run `mpexec node` on every other node")
+    nodes.add_argument("--nnodes", type=_positive_int, default=1,
+                       help="nodes the workers span (1)")
+    nodes.add_argument("--node-rank", type=int, default=0,
+                       help="0, the leader (other nodes run `mpexec node`)")
+    nodes.add_argument("--master-addr", default="127.0.0.1",
+                       help="this leader's address, reachable from every node (127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=None,
+                       help="the port the followers dial (needed with --nnodes > 1)")
+    nodes.add_argument("--secret-file", type=Path, default=None,
+                       help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
+    nodes.add_argument("--curve", action="store_true", default=None,
+                       help="encrypt the traffic between nodes (ZeroMQ CURVE; else "
+                       "MPEXEC_CLUSTER_CURVE); every follower needs it too")
 
 
 def read_secret(secret_file: Path | None) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from mpexec.cli import UsageError
 from mpexec.cli.common import (
     Progress,
+    add_node_arguments,
     check_layout,
     check_model,
     follower_command,
@@ -49,8 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-context-parallel-size", "-pcp", type=_positive_int,
                         default=1, help="split each long step's tokens over this many ranks "
                         "(1); the workers are TP x PP x PCP")
-    parser.add_argument("--prompt", action="append", required=True,
+    parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeatable; outputs come in the same order)")
+    parser.add_argument("--prompts-file", default=None, metavar="FILE",
+                        help="more prompts, one per line ('-': stdin): text, or JSON (a "
+                        "string, {\"prompt\": ...}, {\"prompt_token_ids\": [...]}, or with "
+                        "--chat {\"messages\": [...]})")
+    parser.add_argument("--stream", action="store_true",
+                        help="print each answer's tokens as they come (one prompt at a time)")
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message (chat template)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (64)")
@@ -72,21 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
                         '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    nodes = parser.add_argument_group(
-        "several nodes", "this process leads (node 0); run `mpexec node` on every other node")
-    nodes.add_argument("--nnodes", type=_positive_int, default=1,
-                       help="nodes the workers span (1)")
-    nodes.add_argument("--node-rank", type=int, default=0,
-                       help="0, the leader (other nodes run `mpexec node`)")
-    nodes.add_argument("--master-addr", default="127.0.0.1",
-                       help="this leader's address, reachable from every node (127.0.0.1)")
-    nodes.add_argument("--master-port", type=int, default=None,
-                       help="the port the followers dial (needed with --nnodes > 1)")
-    nodes.add_argument("--secret-file", type=Path, default=None,
-                       help="file holding the cluster secret (else MPEXEC_CLUSTER_SECRET)")
-    nodes.add_argument("--curve", action="store_true", default=None,
-                       help="encrypt the traffic between nodes (ZeroMQ CURVE; else "
-                       "MPEXEC_CLUSTER_CURVE); every follower needs it too")
+    add_node_arguments(parser)
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -176,21 +169,76 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
         progress.done()
 
 
+def read_prompts(args: argparse.Namespace) -> list[Any]:
+    """``--prompt`` values, then the lines of ``--prompts-file``."""
+    prompts: list[Any] = list(args.prompt)
+    source = getattr(args, "prompts_file", None)
+    if source is not None:
+        import sys
+
+        try:
+            if source == "-":
+                lines = sys.stdin.read().splitlines()
+            else:
+                with open(source, encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read --prompts-file {source}: {exc}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                value = line  # plain text
+            if not isinstance(value, (str, dict)):
+                value = line
+            if isinstance(value, dict) and not ({"prompt", "prompt_token_ids", "messages"}
+                                                & set(value)):
+                raise UsageError(f"--prompts-file line {number}: a JSON object needs "
+                                 "'prompt', 'prompt_token_ids' or 'messages'")
+            prompts.append(value)
+    if not prompts:
+        raise UsageError("give at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def _as_prompts(llm: Any, given: list[Any], chat: bool) -> list[Any]:
+    if not chat:
+        for item in given:
+            if isinstance(item, dict) and "messages" in item:
+                raise UsageError("a prompt with 'messages' needs --chat")
+        return given
+    prompts = []
+    for item in given:
+        if isinstance(item, dict) and "messages" in item:
+            prompt = llm.chat_prompts(item["messages"])[0]
+        elif isinstance(item, dict):
+            raise UsageError("with --chat a prompt is text or {'messages': [...]}")
+        else:
+            prompt = llm.chat_prompts([{"role": "user", "content": item}])[0]
+            prompt["prompt"] = item
+        prompts.append(prompt)
+    return prompts
+
+
 def run(args: argparse.Namespace, out: TextIO,
         make_llm: Callable[[argparse.Namespace], Any] | None = None) -> int:
     params = sampling_params(args)
+    given = read_prompts(args)
     if args.backend == "uni" and args.tp * args.pp != 1:
         raise UsageError("--backend uni runs one worker: use --tp 1 --pp 1, or --backend mp")
+    if getattr(args, "stream", False) and args.json:
+        raise UsageError("--stream prints text as it comes; --json prints whole answers: "
+                         "choose one")
     llm = make_llm(args) if make_llm is not None else start_llm(args, args.tp, args.pp)
     progress = Progress()
     with llm:
-        if args.chat:
-            prompts: list[Any] = llm.chat_prompts(
-                [[{"role": "user", "content": p}] for p in args.prompt])
-            for prompt, text in zip(prompts, args.prompt, strict=True):
-                prompt["prompt"] = text
-        else:
-            prompts = list(args.prompt)
+        prompts = _as_prompts(llm, given, args.chat)
+        if getattr(args, "stream", False):
+            for index, prompt in enumerate(prompts):
+                stream_one(llm, index, prompt, params, out)
+            return 0
 
         def show(finished: int, total: int, tokens: int) -> None:
             progress.update(f"generating: {finished}/{total} prompts done, {tokens} tokens")
@@ -207,6 +255,25 @@ def run(args: argparse.Namespace, out: TextIO,
             out.write(f"    ({len(output.token_ids)} tokens, {output.finish_reason})\n")
     out.flush()
     return 0
+
+
+def stream_one(llm: Any, index: int | None, prompt: Any, params: Any, out: TextIO) -> Any:
+    """Print one answer as its text grows; the final output."""
+    if index is not None:
+        shown = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        out.write(f"[{index}] {shown!r}\n")
+    sent = ""
+    final = None
+    for partial in llm.generate_stream(prompt, params):
+        out.write(partial.text[len(sent):])
+        out.flush()
+        sent = partial.text
+        final = partial
+    out.write("\n")
+    if index is not None and final is not None:
+        out.write(f"    ({len(final.token_ids)} tokens, {final.finish_reason})\n")
+    out.flush()
+    return final
 
 
 def as_json(index: int, output: Any) -> dict[str, Any]:

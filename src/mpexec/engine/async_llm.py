@@ -64,7 +64,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    req_id: str
+    req_id: str | None  # None: every request
 
 
 @dataclass
@@ -194,6 +194,11 @@ class AsyncLLM:
         self._commands.append(_Abort(request_id))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Abort every open request at the next step (a server's grace period is over)."""
+        self._commands.append(_Abort(None))
+        self._wake.set()
+
     def _raise_if_failed(self) -> None:
         if self._stopping.is_set():
             raise EngineDeadError("the engine is shutting down")
@@ -233,7 +238,9 @@ class AsyncLLM:
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, _Abort):
-                self.engine.abort_request(command.req_id)
+                ids = [command.req_id] if command.req_id is not None else list(self._tracked)
+                for req_id in ids:
+                    self.engine.abort_request(req_id)
                 continue
             stream = command.stream
             try:

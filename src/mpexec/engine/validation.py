@@ -82,6 +82,11 @@ def prepare_prompt(prompt: object, encode: Callable[[str], list[int]],
             raise RequestError(f"{where}the prompt is not valid UTF-8 (byte {exc.start}: "
                                f"{bytes(prompt)[exc.start:exc.start + 1]!r})") from None
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from JSON's "\ud800"
+            raise RequestError(f"{where}the prompt is not valid Unicode (character "
+                               f"{exc.start}: {prompt[exc.start]!r})") from None
         text, ids = prompt, encode(prompt)
     elif isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:

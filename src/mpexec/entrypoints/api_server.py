@@ -1,0 +1,447 @@
+"""The FastAPI app: the OpenAI endpoints over one :class:`AsyncLLM`.
+
+=========================  ================================================================
+endpoint                   answers
+=========================  ================================================================
+POST /v1/completions       text for each prompt (``n`` choices each); ``stream: true``:
+                           server-sent events, ``text_completion`` chunks, ``[DONE]``
+POST /v1/chat/completions  a reply through the checkpoint's chat template; streamed as
+                           ``chat.completion.chunk`` events (the first carries the role)
+GET  /v1/models            the served model name(s)
+POST /tokenize             ``{"prompt"}`` or ``{"messages"}`` → ``{"tokens", "count"}``
+POST /detokenize           ``{"tokens"}`` → ``{"prompt"}``
+GET  /health               200, or 503 once the engine has failed
+GET  /metrics              Prometheus text (see ``metrics``)
+=========================  ================================================================
+
+A request is checked in full before anything is queued: malformed JSON, an
+unknown model, a prompt longer than the context or a bad sampling value is a
+400 in the OpenAI error shape, and the server serves on.  With an API key,
+every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
+KEY`` (401 otherwise).  An engine failure ends every open request with a
+500 (an ``error`` event in a stream that has started).  A client that
+disconnects mid-stream cancels its response, which aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from mpexec.engine.async_llm import AsyncLLM, RequestStream
+from mpexec.engine.engine import EngineDeadError
+from mpexec.engine.outputs import RequestOutput
+from mpexec.engine.validation import check_token_ids
+from mpexec.entrypoints.metrics import ServerMetrics, observe_tokens
+from mpexec.entrypoints.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+    completion_prompts,
+    for_choice,
+    parse,
+    sampling_params,
+)
+from mpexec.outputs import SamplingParams
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class Server:
+    """What the endpoints share: the engine, the model names, the metrics."""
+
+    def __init__(self, engine: AsyncLLM, model_names: Sequence[str],
+                 api_key: str | None = None) -> None:
+        self.engine = engine
+        self.model_names = list(model_names)
+        self.api_key = api_key
+        self.metrics = ServerMetrics(engine, self.model_names[0])
+        self.created = int(time.time())
+
+    # -- checks -------------------------------------------------------------------------
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        raise ApiError(f"the model '{requested}' does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.model_names)}", 400,
+                       "NotFoundError", "model_not_found")
+
+    def open_streams(self, prompts: Sequence[Any], params: SamplingParams, n: int,
+                     request_id: str) -> list[RequestStream]:
+        """One stream per prompt and choice, all checked first; index = prompt * n + choice."""
+        if not isinstance(n, int) or n < 1:
+            raise ApiError(f"n: must be an integer >= 1; got {n!r}")
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    streams.append(self.engine.add_request(
+                        prompt, for_choice(params, j), f"{request_id}-{i}-{j}"))
+        except BaseException as exc:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise _as_api_error(exc) from None
+        return streams
+
+    # -- bodies -------------------------------------------------------------------------
+
+    def logprobs(self, output: RequestOutput, start: int, chat: bool) -> Any:
+        completion = output.outputs[0]
+        entries = completion.logprobs
+        if entries is None:
+            return None
+        ids = completion.token_ids[start:]
+        rows = [(self._token_text(t), *_logprob_of(t, e, self._token_text))
+                for t, e in zip(ids, entries[start:], strict=False)]
+        if chat:
+            return {"content": [
+                {"token": text, "logprob": lp, "bytes": list(text.encode()),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                  for t, v in top]}
+                for text, lp, top in rows]}
+        return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+                "top_logprobs": [dict(r[2]) if r[2] else None for r in rows],
+                "text_offset": []}
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def _logprob_of(token_id: int, entry: Any,
+                text: Callable[[int], str]) -> tuple[float, list[tuple[str, float]]]:
+    """One position's logprob and top alternatives, whatever the engine's form of it."""
+    def value(v: Any) -> float:
+        return float(getattr(v, "logprob", v))
+
+    if isinstance(entry, dict):
+        top = [(text(int(k)), value(v)) for k, v in entry.items()]
+        return (value(entry[token_id]) if token_id in entry else -math.inf), top
+    return value(entry), []
+
+
+def _as_api_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ApiError(f"the engine is not serving: {str(exc).splitlines()[0]}", 503,
+                        "ServiceUnavailableError")
+    if isinstance(exc, (ValueError, TypeError)):
+        return ApiError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return exc
+
+
+def _engine_error(exc: BaseException) -> ApiError:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return ApiError(f"the engine failed: {type(exc).__name__}: {first}", 500,
+                    "InternalServerError")
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"malformed JSON in the request body: {exc}") from None
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """``(index, output)`` from every stream as they come; an exception is yielded too."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        except Exception as exc:
+            yield 0, exc
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_count = len(streams)
+        while open_count:
+            index, item = await queue.get()
+            if item is None:
+                open_count -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Tracker:
+    """Per choice: the text and tokens already sent, and the token timings."""
+
+    def __init__(self, streams: list[RequestStream], metrics: ServerMetrics) -> None:
+        self.streams = streams
+        self.metrics = metrics
+        self.text = [""] * len(streams)
+        self.tokens = [0] * len(streams)
+        self.last: list[float | None] = [None] * len(streams)
+        self.final: list[RequestOutput | None] = [None] * len(streams)
+
+    def update(self, index: int, output: RequestOutput) -> tuple[str, int]:
+        """The new text, and where the new tokens start."""
+        now = time.monotonic()
+        count = len(output.token_ids)
+        observe_tokens(self.metrics, self.streams[index].arrival, self.last[index], now,
+                       count - self.tokens[index])
+        if count > self.tokens[index]:
+            self.last[index] = now
+        start, self.tokens[index] = self.tokens[index], count
+        delta = output.text[len(self.text[index]):]
+        self.text[index] = output.text
+        if output.finished:
+            self.final[index] = output
+            self.metrics.requests.labels(output.finish_reason or "unknown").inc()
+        return delta, start
+
+
+def build_app(engine: AsyncLLM, model_names: Sequence[str],
+              api_key: str | None = None) -> FastAPI:
+    server = Server(engine, model_names, api_key)
+    app = FastAPI(title="mpexec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    if api_key is not None:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return JSONResponse(ApiError("the engine has failed", 503,
+                                     "ServiceUnavailableError").body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": server.created, "owned_by": "mpexec",
+             "root": name, "max_model_len": engine.max_model_len}
+            for name in server.model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse(TokenizeRequest, await _body(request))
+        server.model_name(body.model)
+        if body.messages is not None:
+            ids = engine.tokenizer.apply_chat_template(
+                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = engine.tokenizer.encode(body.prompt)
+        else:
+            raise ApiError("give 'prompt' or 'messages'")
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse(DetokenizeRequest, await _body(request))
+        server.model_name(body.model)
+        try:
+            ids = check_token_ids(body.tokens, engine.vocab_size, field_name="tokens")
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        return {"prompt": engine.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        body = parse(CompletionRequest, await _body(request))
+        name = server.model_name(body.model)
+        if body.echo or body.suffix:
+            raise ApiError("echo and suffix are not supported by this server")
+        params = sampling_params(body, body.max_tokens if body.max_tokens is not None
+                                 else 16, body.logprobs)
+        prompts = completion_prompts(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = server.open_streams(prompts, params, body.n, request_id)
+        if body.stream:
+            return StreamingResponse(
+                _completion_events(server, streams, request_id, name, body.include_usage,
+                                   body.n),
+                media_type="text/event-stream")
+        tracker = await _collect(server, streams)
+        choices = []
+        for index, output in enumerate(tracker.final):
+            assert output is not None
+            choices.append({"index": index, "text": output.text,
+                            "logprobs": server.logprobs(output, 0, chat=False),
+                            "finish_reason": output.finish_reason,
+                            "stop_reason": getattr(output.outputs[0], "stop_reason", None)})
+        return JSONResponse({"id": request_id, "object": "text_completion",
+                             "created": int(time.time()), "model": name, "choices": choices,
+                             "usage": _usage(streams, tracker, body.n)})
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        body = parse(ChatRequest, await _body(request))
+        name = server.model_name(body.model)
+        try:
+            ids = engine.tokenizer.apply_chat_template(
+                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
+        except ApiError:
+            raise
+        except Exception as exc:  # the template raised (a role it does not know, say)
+            raise ApiError(f"messages: the chat template failed: {exc}") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # OpenAI's default: as much as the context holds
+            max_tokens = max(1, engine.max_model_len - len(ids))
+        logprobs: int | bool | None = None
+        if body.logprobs:
+            logprobs = body.top_logprobs or True
+        params = sampling_params(body, max_tokens, logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = server.open_streams([{"prompt_token_ids": ids}], params, body.n, request_id)
+        if body.stream:
+            return StreamingResponse(
+                _chat_events(server, streams, request_id, name, body.include_usage, body.n),
+                media_type="text/event-stream")
+        tracker = await _collect(server, streams)
+        choices = []
+        for index, output in enumerate(tracker.final):
+            assert output is not None
+            choices.append({"index": index,
+                            "message": {"role": "assistant", "content": output.text},
+                            "logprobs": server.logprobs(output, 0, chat=True),
+                            "finish_reason": output.finish_reason,
+                            "stop_reason": getattr(output.outputs[0], "stop_reason", None)})
+        return JSONResponse({"id": request_id, "object": "chat.completion",
+                             "created": int(time.time()), "model": name, "choices": choices,
+                             "usage": _usage(streams, tracker, body.n)})
+
+    return app
+
+
+class _ApiKeyCheck:
+    """ASGI middleware: 401 for a request without ``Authorization: Bearer KEY``.
+
+    Plain ASGI rather than ``@app.middleware("http")``: that wrapper runs the
+    response in a task group of its own, which turns a cancelled stream
+    into a logged traceback.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError("a valid API key is needed: Authorization: Bearer KEY", 401,
+                         "AuthenticationError", "invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
+async def _collect(server: Server, streams: list[RequestStream]) -> _Tracker:
+    tracker = _Tracker(streams, server.metrics)
+    async for index, item in _merged(streams):
+        if isinstance(item, BaseException):
+            for stream in streams:
+                server.engine.abort(stream.request_id)
+            raise _engine_error(item) if not isinstance(item, (ValueError, TypeError)) \
+                else ApiError(str(item).splitlines()[0])
+        tracker.update(index, item)
+    return tracker
+
+
+def _usage(streams: list[RequestStream], tracker: _Tracker, n: int) -> dict[str, int]:
+    prompt = sum(s.num_prompt_tokens for s in streams[::n])
+    completion = sum(tracker.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def _completion_events(server: Server, streams: list[RequestStream], request_id: str,
+                             model: str, include_usage: bool, n: int) -> AsyncIterator[str]:
+    created = int(time.time())
+    tracker = _Tracker(streams, server.metrics)
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        return _sse({"id": request_id, "object": "text_completion", "created": created,
+                     "model": model, "choices": choices})
+
+    async for index, item in _merged(streams):
+        if isinstance(item, BaseException):
+            yield _sse(_engine_error(item).body())
+            break
+        delta, start = tracker.update(index, item)
+        if not delta and not item.finished:
+            continue
+        yield chunk([{"index": index, "text": delta,
+                      "logprobs": server.logprobs(item, start, chat=False),
+                      "finish_reason": item.finish_reason if item.finished else None,
+                      "stop_reason": getattr(item.outputs[0], "stop_reason", None)}])
+    else:
+        if include_usage:
+            yield _sse({"id": request_id, "object": "text_completion", "created": created,
+                        "model": model, "choices": [],
+                        "usage": _usage(streams, tracker, n)})
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_events(server: Server, streams: list[RequestStream], request_id: str,
+                       model: str, include_usage: bool, n: int) -> AsyncIterator[str]:
+    created = int(time.time())
+    tracker = _Tracker(streams, server.metrics)
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": choices})
+
+    for index in range(len(streams)):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
+    async for index, item in _merged(streams):
+        if isinstance(item, BaseException):
+            yield _sse(_engine_error(item).body())
+            break
+        delta, start = tracker.update(index, item)
+        if not delta and not item.finished:
+            continue
+        yield chunk([{"index": index, "delta": {"content": delta} if delta else {},
+                      "logprobs": server.logprobs(item, start, chat=True),
+                      "finish_reason": item.finish_reason if item.finished else None}])
+    else:
+        if include_usage:
+            yield _sse({"id": request_id, "object": "chat.completion.chunk",
+                        "created": created, "model": model, "choices": [],
+                        "usage": _usage(streams, tracker, n)})
+    yield "data: [DONE]\n\n"
