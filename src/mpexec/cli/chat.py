@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     parser.add_argument("--backend", choices=("mp", "uni"), default="mp",
                         help="executor: worker processes (mp) or in this process (uni)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while step N runs")
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
