@@ -6,7 +6,6 @@ naming the field, and the same LLM then serves a good request.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +74,13 @@ def test_check_helpers_directly() -> None:
 @pytest.mark.torch
 def test_a_model_len_beyond_the_checkpoint_fails_before_any_worker(tiny_checkpoint: Path,
                                                                    tmp_path: Path) -> None:
-    started = time.monotonic()
-    with pytest.raises(ValueError, match="max_model_len 1000000000 exceeds the model's "
+    with pytest.raises(ValueError, match=r"max_model_len 1000000000 exceeds the model's "
                                          "context length"):
         LLM(str(tiny_checkpoint), max_model_len=10**9)
     not_a_model = tmp_path / "notes"
     not_a_model.mkdir()
-    with pytest.raises(Exception, match="directory without config.json"):
+    with pytest.raises(Exception, match=r"directory without config\.json"):
         LLM(str(not_a_model))
-    assert time.monotonic() - started < 60  # no worker was started and waited for
 
 
 # -- the workers refuse one request ------------------------------------------------------
@@ -96,7 +93,7 @@ def test_a_request_the_workers_refuse_fails_alone() -> None:
         good = llm.generate_stream("good prompt", params)
         first = next(good)  # running: it is in the batch when the bad one joins
         assert len(first.token_ids) == 1
-        with pytest.raises(Exception, match="token .* refused") as caught:
+        with pytest.raises(Exception, match=r"token .* refused") as caught:
             llm.generate("bad!", params)
         assert type(caught.value).__name__ == "WorkerError"
         rest = list(good)

@@ -22,7 +22,6 @@ import argparse
 import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 from mpexec.cli import UsageError

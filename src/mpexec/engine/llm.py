@@ -268,7 +268,7 @@ class LLM:
 
     def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
-            return [prompts]  # type: ignore[list-item]  # None: refused by prepare_prompt
+            return [prompts]  # None: refused by prepare_prompt
         return list(prompts)
 
     def _add(self, prompts: list[PromptType],

@@ -76,11 +76,12 @@ def prepare_prompt(prompt: object, encode: Callable[[str], list[int]],
     where = _where(index)
     text: str | None
     if isinstance(prompt, (bytes, bytearray)):
+        raw = bytes(prompt)
         try:
-            prompt = bytes(prompt).decode("utf-8")
+            prompt = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise RequestError(f"{where}the prompt is not valid UTF-8 (byte {exc.start}: "
-                               f"{bytes(prompt)[exc.start:exc.start + 1]!r})") from None
+                               f"{raw[exc.start:exc.start + 1]!r})") from None
     if isinstance(prompt, str):
         try:
             prompt.encode("utf-8")

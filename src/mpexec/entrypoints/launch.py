@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -47,8 +48,8 @@ def serve(engine: AsyncLLM, *, host: str, port: int, model_names: Sequence[str],
     # streams end (finish_reason "abort") and uvicorn's own deadline, a bit
     # later, is only a backstop.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=grace_s + BACKSTOP_S, lifespan="off",
-                            access_log=False)
+                            timeout_graceful_shutdown=math.ceil(grace_s + BACKSTOP_S),
+                            lifespan="off", access_log=False)
     server = uvicorn.Server(config)
     failed: list[BaseException] = []
 

@@ -63,9 +63,9 @@ class _EngineCollector(Collector):
         calls = CounterMetricFamily("mpexec_executor_calls", "executor calls made",
                                     labels=["method"])
         for method, s in sorted(stats.items()):
-            for quantile, value in (("0.5", s.p50_s), ("0.9", s.p90_s), ("0.99", s.p99_s),
+            for quantile, seconds in (("0.5", s.p50_s), ("0.9", s.p90_s), ("0.99", s.p99_s),
                                     ("1", s.max_s)):
-                latency.add_metric([method, quantile], value)
+                latency.add_metric([method, quantile], seconds)
             calls.add_metric([method], s.calls)
         yield latency
         yield calls
