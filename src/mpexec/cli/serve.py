@@ -57,6 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_arguments(parser)
 
 
+def _check_bind(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UsageError(f"--host {host}: {exc}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from mpexec.cli.common import require_torch
     from mpexec.cli.generate import start_llm
@@ -78,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                              ".venv/bin/pip install -e '.[serve]'") from None
     from mpexec.envs import load_envs
 
+    _check_bind(args.host, args.port)  # before minutes of loading, not after
     api_key = args.api_key or load_envs().api_key
     names = args.served_model_name or [args.model]
     llm = start_llm(args, args.tp, args.pp)

@@ -14,6 +14,9 @@ mpexec_inter_token_latency_seconds              histogram  between a request's t
 mpexec_executor_call_latency_seconds            gauge      ``executor.stats()`` p50/p90/p99
   {method, quantile}                                       and max of each method
 mpexec_executor_calls_total{method}             counter    calls made, per method
+mpexec_engine_steps_total                       counter    engine steps
+mpexec_engine_step_seconds_total                counter    synchronous steps: driver time
+mpexec_engine_worker_seconds_total              counter    ... of which inside the workers
 ==============================================  =========  =================================
 
 Gauges and the executor's figures are read when scraped (a collector), so
@@ -55,6 +58,16 @@ class _EngineCollector(Collector):
                  "tokens generated")):
             counter = CounterMetricFamily(name, text, labels=["model_name"])
             counter.add_metric([self.model_name], value)
+            yield counter
+        steps = self.engine.engine.stats
+        for name, value, text in (
+                ("mpexec_engine_steps", steps.steps, "engine steps run"),
+                ("mpexec_engine_step_seconds", sum(steps.sync_step_s),
+                 "driver time of synchronous steps (execute_model + sample_tokens)"),
+                ("mpexec_engine_worker_seconds", sum(steps.sync_worker_s),
+                 "time the output rank spent inside those steps' methods")):
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], value)
             yield counter
         stats = self.engine.engine.executor.stats()
         latency = GaugeMetricFamily("mpexec_executor_call_latency_seconds",
