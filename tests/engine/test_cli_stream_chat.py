@@ -74,3 +74,16 @@ def test_chat_is_a_conversation(monkeypatch: pytest.MonkeyPatch,
     replies = capsys.readouterr().out.splitlines()
     first = expected(TOK.apply_chat_template([{"role": "user", "content": "hello"}]), 5)[0]
     assert replies == [first, first]  # /reset: the second turn starts over
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "chat"])
+def test_a_path_that_is_no_model_exits_2(command: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    argv = [command, str(tmp_path)] if command == "serve" else \
+        [command, "--model", str(tmp_path)]
+    if command == "generate":
+        argv += ["--prompt", "x"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "directory without config.json" in err[0]

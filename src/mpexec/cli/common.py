@@ -20,10 +20,16 @@ def check_model(model: str) -> None:
     if not Path(model).expanduser().exists():
         raise UsageError(f"no such model: {model} (give a checkpoint directory, "
                          "a .gguf file, or 'default')")
+
+
+def check_is_model(model: str) -> None:
+    """A path that exists but holds no model is the user's mistake too (exit status 2)."""
+    if model == "default":
+        return
     from mpexec.models.fetch import ModelFetchError, check_local_model
 
     try:
-        check_local_model(Path(model))  # it exists: is it a model?
+        check_local_model(Path(model).expanduser())
     except ModelFetchError as exc:
         raise UsageError(str(exc)) from None
 

@@ -28,6 +28,7 @@ from mpexec.cli import UsageError
 from mpexec.cli.common import (
     Progress,
     add_node_arguments,
+    check_is_model,
     check_layout,
     check_model,
     follower_command,
@@ -134,6 +135,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     nodes = node_options(args, tp, pp)
     nnodes = nodes.get("nnodes", 1)
     check_layout(tp, pp, nnodes)
+    check_is_model(args.model)
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
     from mpexec.errors import WorkerStartupError

@@ -288,6 +288,11 @@ class AsyncLLM:
             self.error = exc
             logger.error("the engine failed: %s: %s", type(exc).__name__,
                          str(exc).splitlines()[0] if str(exc) else "")
+        if self.on_failure is not None:  # before the streams hear of it
+            try:
+                self.on_failure(exc)
+            except Exception:
+                logger.exception("the on_failure callback raised")
         for item in self._tracked.values():
             self._send(item.stream, None, _own_copy(exc))
         self._tracked.clear()
@@ -295,11 +300,6 @@ class AsyncLLM:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 self._send(command.stream, None, _own_copy(exc))
-        if self.on_failure is not None:
-            try:
-                self.on_failure(exc)
-            except Exception:
-                logger.exception("the on_failure callback raised")
 
     def _close_streams(self) -> None:
         """Shutdown: whatever is still open ends with ``EngineDeadError``."""
