@@ -60,14 +60,14 @@ class _EngineCollector(Collector):
             counter.add_metric([self.model_name], value)
             yield counter
         steps = self.engine.engine.stats
-        for name, value, text in (
-                ("mpexec_engine_steps", steps.steps, "engine steps run"),
+        for name, total, text in (
+                ("mpexec_engine_steps", float(steps.steps), "engine steps run"),
                 ("mpexec_engine_step_seconds", sum(steps.sync_step_s),
                  "driver time of synchronous steps (execute_model + sample_tokens)"),
                 ("mpexec_engine_worker_seconds", sum(steps.sync_worker_s),
                  "time the output rank spent inside those steps' methods")):
             counter = CounterMetricFamily(name, text)
-            counter.add_metric([], value)
+            counter.add_metric([], total)
             yield counter
         stats = self.engine.engine.executor.stats()
         latency = GaugeMetricFamily("mpexec_executor_call_latency_seconds",
