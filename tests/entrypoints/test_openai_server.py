@@ -175,6 +175,15 @@ def test_a_client_that_disconnects_frees_its_request(server: ServerProcess) -> N
         for _ in range(6):
             next(lines)
         assert metric(server, "mpexec_num_requests_running") == 1
+    assert_all_freed(server)
+    # a non-streaming client that gives up: the server notices within a second or so
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False},
+                   timeout=httpx.Timeout(60, read=2.0))
+    assert_all_freed(server)
+
+
+def assert_all_freed(server: ServerProcess) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if metric(server, "mpexec_num_requests_running") == 0 \

@@ -20,7 +20,9 @@ unknown model, a prompt longer than the context or a bad sampling value is a
 every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
 KEY`` (401 otherwise).  An engine failure ends every open request with a
 500 (an ``error`` event in a stream that has started).  A client that
-disconnects mid-stream cancels its response, which aborts its request.
+disconnects mid-stream cancels its response, which aborts its request; a
+non-streaming request checks for its client every second and aborts the same
+way.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from mpexec.entrypoints.protocol import (
 from mpexec.outputs import SamplingParams
 
 OPEN_PATHS = ("/health", "/metrics")
+DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for its client
 
 
 class Server:
@@ -293,7 +296,7 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
                 _completion_events(server, streams, request_id, name, body.include_usage,
                                    body.n),
                 media_type="text/event-stream")
-        tracker = await _collect(server, streams)
+        tracker = await _collect_unless_gone(request, server, streams)
         choices = []
         for index, output in enumerate(tracker.final):
             assert output is not None
@@ -329,7 +332,7 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
             return StreamingResponse(
                 _chat_events(server, streams, request_id, name, body.include_usage, body.n),
                 media_type="text/event-stream")
-        tracker = await _collect(server, streams)
+        tracker = await _collect_unless_gone(request, server, streams)
         choices = []
         for index, output in enumerate(tracker.final):
             assert output is not None
@@ -380,6 +383,22 @@ async def _collect(server: Server, streams: list[RequestStream]) -> _Tracker:
                 else ApiError(str(item).splitlines()[0])
         tracker.update(index, item)
     return tracker
+
+
+async def _collect_unless_gone(request: Request, server: Server,
+                               streams: list[RequestStream]) -> _Tracker:
+    """``_collect``, cancelled (so its requests abort) if the client goes away meanwhile."""
+    task = asyncio.ensure_future(_collect(server, streams))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ApiError("the client went away", 499, "ClientClosedRequest")
+    finally:
+        task.cancel()
 
 
 def _usage(streams: list[RequestStream], tracker: _Tracker, n: int) -> dict[str, int]:
