@@ -253,3 +253,19 @@ def test_metrics(server: ServerProcess, client: Any) -> None:
                  'mpexec_requests_total{finish_reason="length"}'):
         assert name in text, name
     assert metric(server, "mpexec_generation_tokens_total") >= 3
+
+
+def test_the_readme_client_example_runs(server: ServerProcess) -> None:
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+                 if "OpenAI(" in b)
+    code = block.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1") \
+        .replace('model="default"', f'model="{MODEL}"')
+    assert code.count(server.url) == 1 and code.count(f'model="{MODEL}"') == 2
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()

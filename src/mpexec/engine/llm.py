@@ -9,12 +9,14 @@
       │ Engine(executor, ...) -> KV cache sized
       ▼
     generate / generate_stream / chat
+      │ every prompt and SamplingParams checked first (validation.py): a bad one is
+      │   one ValueError naming the field, and nothing is queued
       │ text -> tokenizer.encode (plain text, exactly as the checkpoint's tokenizer does)
       │ messages -> tokenizer.apply_chat_template(..., add_generation_prompt=True)
       │ Engine.add_request ... Engine.step() until every request finished
       ▼
     list[RequestOutput] (text decoded with skip_special_tokens), or partial
-    outputs as tokens arrive (generate_stream)
+    outputs as tokens arrive (generate_stream: only the new tokens decoded)
 
 A failure of the engine (a worker died or raised) reaches the caller of
 ``generate`` as the executor's error (``WorkerDiedError``, ``WorkerError``);
