@@ -136,6 +136,10 @@ def raise_in_execute_model(worker: Any) -> None:
     worker.execute_model = execute_model
 
 
+def restore_execute_model(worker: Any) -> None:
+    del worker.execute_model  # the class's method again
+
+
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.usefixtures("leak_check")
@@ -148,7 +152,9 @@ def test_a_worker_value_error_in_a_tp2_llm_arrives_at_once(
     llm = LLM(str(tiny_checkpoint), tensor_parallel_size=2, executor_backend="mp",
               num_threads=1, max_num_batched_tokens=64, shutdown_grace_s=2.0,
               shutdown_term_s=2.0)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
     try:
+        want = llm.generate(["hello world"], greedy)[0].token_ids
         llm.engine.executor.collective_rpc(raise_in_execute_model, timeout=30)
         patience = Patience()
         try:
@@ -160,5 +166,9 @@ def test_a_worker_value_error_in_a_tp2_llm_arrives_at_once(
         assert caught.value.exc_type == "ValueError"
         # The workers refused the step's input: that request failed alone.
         assert not llm.engine.is_dead and not llm.engine.executor.is_failed
+        # and the same TP=2 engine serves the next request, with the right tokens
+        llm.engine.executor.collective_rpc(restore_execute_model, timeout=30)
+        again = llm.generate(["hello world"], greedy)[0]
+        assert again.finished and again.token_ids == want
     finally:
         llm.shutdown()
