@@ -253,6 +253,9 @@ def test_metrics(server: ServerProcess, client: Any) -> None:
                  'mpexec_requests_total{finish_reason="length"}'):
         assert name in text, name
     assert metric(server, "mpexec_generation_tokens_total") >= 3
+    steps = metric(server, "mpexec_engine_step_seconds_total")
+    assert 0 < metric(server, "mpexec_engine_worker_seconds_total") <= steps
+    assert metric(server, "mpexec_engine_steps_total") >= 3
 
 
 def test_the_readme_client_example_runs(server: ServerProcess) -> None:

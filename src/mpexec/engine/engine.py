@@ -89,6 +89,9 @@ class EngineStats:
     # and the time the output rank reported inside those two methods.
     sync_step_s: list[float] = field(default_factory=list)
     sync_worker_s: list[float] = field(default_factory=list)
+    # Their running sums (a server's metrics read these, never the lists).
+    sync_step_total_s: float = 0.0
+    sync_worker_total_s: float = 0.0
 
     @property
     def executor_share(self) -> float | None:
@@ -277,9 +280,11 @@ class Engine:
     def _record_sync_step(self, elapsed: float, result: Any) -> None:
         extra = getattr(result, "extra", None) or {}
         if "worker_execute_s" in extra:
+            worker_s = float(extra["worker_execute_s"]) + float(extra.get("worker_sample_s", 0.0))
             self.stats.sync_step_s.append(elapsed)
-            self.stats.sync_worker_s.append(
-                float(extra["worker_execute_s"]) + float(extra.get("worker_sample_s", 0.0)))
+            self.stats.sync_worker_s.append(worker_s)
+            self.stats.sync_step_total_s += elapsed
+            self.stats.sync_worker_total_s += worker_s
 
     def _complete_oldest(self) -> list[Request]:
         item = self._in_flight[0]

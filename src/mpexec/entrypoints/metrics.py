@@ -62,9 +62,9 @@ class _EngineCollector(Collector):
         steps = self.engine.engine.stats
         for name, total, text in (
                 ("mpexec_engine_steps", float(steps.steps), "engine steps run"),
-                ("mpexec_engine_step_seconds", sum(steps.sync_step_s),
+                ("mpexec_engine_step_seconds", steps.sync_step_total_s,
                  "driver time of synchronous steps (execute_model + sample_tokens)"),
-                ("mpexec_engine_worker_seconds", sum(steps.sync_worker_s),
+                ("mpexec_engine_worker_seconds", steps.sync_worker_total_s,
                  "time the output rank spent inside those steps' methods")):
             counter = CounterMetricFamily(name, text)
             counter.add_metric([], total)
