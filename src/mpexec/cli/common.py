@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TextIO
 
 from mpexec.cli import UsageError
-from mpexec.system.procs import usable_cpus
 
 
 def check_model(model: str) -> None:
@@ -21,25 +20,24 @@ def check_model(model: str) -> None:
                          "a .gguf file, or 'default')")
 
 
-def check_layout(tp: int, pp: int, nnodes: int = 1) -> None:
-    """CPU workers need a CPU each: refuse this node's share of TP x PP beyond this machine."""
+def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto") -> None:
+    """This node's share of TP x PP on CUDA needs one visible device per worker.
+
+    CPU workers are not limited by the CPUs: more workers than CPUs run,
+    one intra-op thread each (the LLM says so in a WARNING).
+    """
     from mpexec.engine.llm import cuda_available
 
     local = tp * pp // nnodes
     what = f"--tp {tp} x --pp {pp} = {tp * pp}"
     if nnodes > 1:
         what += f" / --nnodes {nnodes} = {local}"
-    if cuda_available():
+    if device != "cpu" and cuda_available():
         import torch
 
         count = torch.cuda.device_count()
         if local > count:
             raise UsageError(f"{what} workers, but {count} CUDA devices are visible")
-        return
-    cpus = usable_cpus()
-    if local > cpus:
-        raise UsageError(f"{what} CPU workers, but this machine "
-                         f"has {cpus} usable CPUs (one worker needs one)")
 
 
 def read_secret(secret_file: Path | None) -> str | None:

@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
                         '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the workers run (auto: CUDA when visible, else CPU)")
+    parser.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"),
+                        default="auto",
+                        help="torch.distributed backend (auto: nccl on CUDA, else gloo)")
+    parser.add_argument("--cpu-affinity", choices=("auto",), default=None,
+                        help="auto: pin each worker to its share of the usable CPUs, "
+                             "inside one NUMA node (default: no pinning)")
     nodes = parser.add_argument_group(
         "several nodes", "this process leads (node 0); run `mpexec node` on every other node")
     nodes.add_argument("--nnodes", type=_positive_int, default=1,
@@ -136,12 +144,18 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     return options
 
 
+def device_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Executor fields from the device flags (only those given)."""
+    affinity = getattr(args, "cpu_affinity", None)
+    return {} if affinity is None else {"cpu_affinity": affinity}
+
+
 def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     """The LLM the command line describes (checked first, so mistakes fail fast)."""
     check_model(args.model)
     nodes = node_options(args, tp, pp)
     nnodes = nodes.get("nnodes", 1)
-    check_layout(tp, pp, nnodes)
+    check_layout(tp, pp, nnodes, getattr(args, "device", "auto"))
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
     from mpexec.errors import WorkerStartupError
@@ -161,7 +175,9 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level,
                    enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                    kv_transfer_config=getattr(args, "kv_transfer_config", None),
-                   **nodes)
+                   device=getattr(args, "device", "auto"),
+                   distributed_backend=getattr(args, "distributed_backend", "auto"),
+                   **device_options(args), **nodes)
     except WorkerStartupError as exc:
         if nnodes > 1 and "did not join" in str(exc):
             # The user's next step, on the one line the CLI prints.

@@ -81,6 +81,8 @@ _DYING_WAIT_S = 1.0
 class MultiprocExecutor(Executor):
     """One worker process per local rank; see the module docstring."""
 
+    supports_pp = True
+
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
         self.monitor_workers = config.monitor_workers if monitor_workers is None \
             else monitor_workers

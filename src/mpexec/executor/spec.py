@@ -105,14 +105,17 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
     # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
     # when that thread lives as long as the process.
     main_thread = threading.current_thread() is threading.main_thread()
+    cpu_sets = config.cpu_sets()  # "auto" is worked out once, on this node
     factories = []
     for ctx in contexts:
         threads = config.omp_threads_for(ctx.local_rank)
+        cpus = None if cpu_sets is None else cpu_sets[ctx.local_rank]
+        if threads is None and config.device_type == "cpu" and cpus is not None:
+            threads = len(cpus)  # a pinned CPU worker: one thread per CPU of its own
         if threads is None and config.device_type == "cpu":
             env: dict[str, str] = {}  # CPU workers left to the user's environment
         else:
             env = thread_vars(threads, os.environ)
-        cpus = config.cpus_for(ctx.local_rank)
         factories.append(partial(
             WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
             driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,

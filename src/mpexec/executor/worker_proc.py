@@ -4,7 +4,8 @@ Start-up, in the child (``worker_main(spec)``)::
 
     lead a new process group; arm the parent-death signal (SIGTERM) when asked
     install SIGTERM/SIGINT handlers (each turns into one SystemExit)
-    close the siblings' pipe ends inherited through fork; pin CPUs; thread counts
+    close the siblings' pipe ends inherited through fork; thread counts; pin CPUs
+    (the binding logged: CPUs, NUMA node, OpenMP threads)
     start the death-pipe watcher (``watcher``)
     WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
                       load_model, attach the broadcast queue, create the reply queue
@@ -230,12 +231,45 @@ class WorkerProc:
             self.worker.shutdown()
         except Exception:
             logger.exception("rank %d: worker.shutdown() failed", self.rank)
+        release_distributed(self.rank)
+
+
+def release_distributed(rank: int) -> None:
+    """Leave torch.distributed if this worker joined it and is still in it.
+
+    Any worker class may initialise ``torch.distributed`` (or build
+    ``mpexec.distributed`` groups); one that does not tear it down in its own
+    ``shutdown()`` would leave its process groups (and their sockets, or NCCL
+    communicators) to the exit of the process.  Looked up in ``sys.modules``
+    only: a worker that never imported torch pays nothing, and this module
+    stays importable without torch.
+    """
+    state = sys.modules.get("mpexec.distributed.parallel_state")
+    try:
+        if state is not None:
+            state.destroy_distributed_environment()
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            logger.debug("rank %d: left torch.distributed at shutdown", rank)
+    except Exception as exc:  # a peer already gone: nothing left to free
+        logger.debug("rank %d: leaving torch.distributed failed: %s", rank, exc)
 
 
 def _configure_logging(level: str) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mpexec").setLevel(level)
+
+
+def _log_binding(spec: WorkerSpec) -> None:
+    from mpexec.system.topology import describe_cpus, numa_nodes
+
+    threads = spec.thread_env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    assert spec.cpu_affinity is not None
+    logger.info("%s (pid %d) pinned to %s; OMP_NUM_THREADS=%s",
+                worker_name(spec.rank, spec.config.parallel), os.getpid(),
+                describe_cpus(spec.cpu_affinity, numa_nodes()), threads or "unset")
 
 
 def _report_startup_failure(ready_writer: Connection, rank: int, exc: BaseException) -> None:
@@ -281,6 +315,8 @@ def worker_main(spec: WorkerSpec) -> None:
         watcher.start()
         _configure_logging(spec.config.log_level)
         apply_cpu_affinity(spec.cpu_affinity)
+        if spec.cpu_affinity is not None:
+            _log_binding(spec)
         tracer = Tracer.create(spec.trace, f"Worker_{rank}")
         with tracer.span("worker.start", rank=rank):
             worker = WorkerProc(spec, tracer, signalled)
