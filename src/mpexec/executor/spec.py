@@ -17,6 +17,7 @@ way.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -28,9 +29,11 @@ from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.executor.context import WorkerContext
-from mpexec.executor.ranks import global_start_rank, is_driver_worker
+from mpexec.executor.ranks import global_start_rank, is_driver_worker, worker_name
 from mpexec.ipc import Handle
 from mpexec.system import thread_vars
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,22 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
             env: dict[str, str] = {}  # CPU workers left to the user's environment
         else:
             env = thread_vars(threads, os.environ)
+        if cpus is not None:
+            _log_binding(ctx, cpus, env)
         factories.append(partial(
             WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
             driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
             cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env, **extra))
     return factories
+
+
+def _log_binding(ctx: WorkerContext, cpus: list[int], env: Mapping[str, str]) -> None:
+    from mpexec.system.topology import describe_cpus, numa_nodes
+
+    threads = env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "unset"
+    logger.info("%s is pinned to %s; OMP_NUM_THREADS=%s",
+                worker_name(ctx.rank, ctx.config.parallel), describe_cpus(cpus, numa_nodes()),
+                threads)
 
 
 class PortReservation:

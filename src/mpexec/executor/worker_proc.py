@@ -5,7 +5,6 @@ Start-up, in the child (``worker_main(spec)``)::
     lead a new process group; arm the parent-death signal (SIGTERM) when asked
     install SIGTERM/SIGINT handlers (each turns into one SystemExit)
     close the siblings' pipe ends inherited through fork; thread counts; pin CPUs
-    (the binding logged: CPUs, NUMA node, OpenMP threads)
     start the death-pipe watcher (``watcher``)
     WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
                       load_model, attach the broadcast queue, create the reply queue
@@ -262,16 +261,6 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("mpexec").setLevel(level)
 
 
-def _log_binding(spec: WorkerSpec) -> None:
-    from mpexec.system.topology import describe_cpus, numa_nodes
-
-    threads = spec.thread_env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    assert spec.cpu_affinity is not None
-    logger.info("%s (pid %d) pinned to %s; OMP_NUM_THREADS=%s",
-                worker_name(spec.rank, spec.config.parallel), os.getpid(),
-                describe_cpus(spec.cpu_affinity, numa_nodes()), threads or "unset")
-
-
 def _report_startup_failure(ready_writer: Connection, rank: int, exc: BaseException) -> None:
     try:
         ready_writer.send(StartupFailed(rank, capture_failure(exc)))
@@ -315,8 +304,6 @@ def worker_main(spec: WorkerSpec) -> None:
         watcher.start()
         _configure_logging(spec.config.log_level)
         apply_cpu_affinity(spec.cpu_affinity)
-        if spec.cpu_affinity is not None:
-            _log_binding(spec)
         tracer = Tracer.create(spec.trace, f"Worker_{rank}")
         with tracer.span("worker.start", rank=rank):
             worker = WorkerProc(spec, tracer, signalled)
