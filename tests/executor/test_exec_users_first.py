@@ -151,3 +151,32 @@ def test_release_distributed_leaves_a_world_the_worker_joined(tmp_path: Any) -> 
     release_distributed(0)
     assert not dist.is_initialized()
     release_distributed(0)  # nothing to leave: nothing happens
+
+
+# -- the output thread binds the worker's device ----------------------------------------
+
+@pytest.mark.torch
+def test_the_async_output_thread_binds_a_cuda_workers_device() -> None:
+    pytest.importorskip("torch")
+    from mpexec.config import SchedulerConfig
+
+    config = make_config(tp=2, device_type="cuda", worker_cls="tests.executor.workers:"
+                         "FakeCudaWorker", scheduler=SchedulerConfig(async_scheduling=True))
+    with MultiprocExecutor(config) as ex:
+        assert ex.collective_rpc("echo", args=(1,)) == [1, 1]
+        bound = ex.collective_rpc("bindings")
+    assert bound == [[("WorkerAsyncOutputCopy", "cuda:0")], [("WorkerAsyncOutputCopy", "cuda:1")]]
+
+
+def test_bind_device_leaves_cpu_workers_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from mpexec.executor.worker_proc import bind_device
+
+    calls: list[str] = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(set_device=calls.append))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    bind_device("cpu")
+    bind_device("cuda:3")
+    assert calls == ["cuda:3"]

@@ -147,11 +147,15 @@ class WorkerProc:
             self.enqueue_output(call_id, output)
 
     def async_output_busy_loop(self) -> None:
-        # A new thread starts without the main thread's device binding; a
-        # worker that needs one (a CUDA device) provides bind_output_thread().
+        # A new thread starts without the main thread's device binding: a
+        # CUDA worker's replies are copied from its device in this thread, so
+        # it binds the worker's device first (or the worker's own
+        # bind_output_thread() does it).
         bind = getattr(self.worker.worker, "bind_output_thread", None)
         if bind is not None:
             bind()
+        else:
+            bind_device(self.spec.context.device)
         while True:
             item = self.async_output_queue.get()
             if item is _STOP:
@@ -231,6 +235,18 @@ class WorkerProc:
         except Exception:
             logger.exception("rank %d: worker.shutdown() failed", self.rank)
         release_distributed(self.rank)
+
+
+def bind_device(device: str) -> None:
+    """Make ``device`` (``"cuda:N"``) the current CUDA device of this thread.
+
+    Nothing for a CPU device; looked up in ``sys.modules`` so that this
+    module stays importable without torch (a CUDA worker has imported it).
+    """
+    torch = sys.modules.get("torch")
+    if not device.startswith("cuda") or torch is None:
+        return
+    torch.cuda.set_device(device)
 
 
 def release_distributed(rank: int) -> None:
