@@ -270,8 +270,12 @@ class ExecutorConfig:
     ray_placement_timeout_s: float = 60.0
     ray_call_path: str = "shm"
 
-    # OpenTelemetry spans in this executor and its workers (not process-wide).
+    # OpenTelemetry spans in this executor and its workers (not process-wide),
+    # one trace across them; trace_exporter: "module:factory" of a SpanExporter
+    # that the driver and every worker each build a TracerProvider around
+    # (None: each process's own OpenTelemetry setup).  See executor.tracing.
     trace: bool = False
+    trace_exporter: str | None = None
     log_level: str = "INFO"
     # Several nodes (parallel.nnodes > 1): the per-cluster secret every
     # cross-host frame is authenticated with (None: MPEXEC_CLUSTER_SECRET
@@ -337,6 +341,10 @@ class ExecutorConfig:
                              f"got {self.ray_call_path!r}")
         for name in ("monitor_workers", "aggregate_kv_outputs", "shared_worker_lock", "trace"):
             _require_bool(name, getattr(self, name))
+        if self.trace_exporter is not None and (
+                not isinstance(self.trace_exporter, str) or ":" not in self.trace_exporter):
+            raise ValueError("trace_exporter must be 'module:factory' (a callable returning "
+                             f"an OpenTelemetry SpanExporter) or None; got {self.trace_exporter!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}; got {self.log_level!r}")
         _require_str("node_bind_addr", self.node_bind_addr)

@@ -30,6 +30,7 @@ from typing import Any
 from mpexec.config import ExecutorConfig
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.ranks import global_start_rank, is_driver_worker, worker_name
+from mpexec.executor.tracing import current_carrier
 from mpexec.ipc import Handle
 from mpexec.system import thread_vars
 
@@ -49,6 +50,9 @@ class WorkerSpec:
     # the driver (the signal follows the thread that created the child).
     parent_death_signal: bool
     trace: bool = False
+    # The driver's start-up span (W3C traceparent) when tracing: the parent
+    # of this worker's worker.start span.
+    trace_parent: Mapping[str, str] | None = None
     # Descriptors a forked child inherited from its siblings' pipes.
     inherited_fds: tuple[int, ...] = ()
     cpu_affinity: tuple[int, ...] | None = None
@@ -108,6 +112,7 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
     # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
     # when that thread lives as long as the process.
     main_thread = threading.current_thread() is threading.main_thread()
+    trace_parent = current_carrier() if config.trace else None
     cpu_sets = config.cpu_sets()  # "auto" is worked out once, on this node
     factories = []
     for ctx in contexts:
@@ -124,6 +129,7 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
         factories.append(partial(
             WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
             driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
+            trace_parent=trace_parent,
             cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env, **extra))
     return factories
 

@@ -51,7 +51,7 @@ from mpexec.executor.protocol import (
 )
 from mpexec.executor.ranks import worker_name
 from mpexec.executor.spec import WorkerSpec
-from mpexec.executor.tracing import Tracer
+from mpexec.executor.tracing import NO_TRACER, Tracer
 from mpexec.executor.watcher import DeathPipeWatcher, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
 from mpexec.ipc import MessageQueue
@@ -175,9 +175,14 @@ class WorkerProc:
         handle_output = self.handle_output if self.use_async_scheduling else self.enqueue_output
         traced = self.tracer.enabled
         last_call_id = 0
+        parent = None
         while True:
             try:
-                call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
+                if traced:  # a sixth element: the driver's span (W3C traceparent)
+                    call_id, method, args, kwargs, output_rank, parent = mq.dequeue(
+                        indefinite=True)
+                else:
+                    call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
             except (UndecodableMessageError, OSError) as exc:
                 # A message the transport consumed but could not deliver (its
                 # unpickling failed, or no memory to map it): the call fails,
@@ -199,7 +204,8 @@ class WorkerProc:
                 else:
                     func = partial(cloudpickle.loads(method), worker)
                 if traced:
-                    with self.tracer.span("worker.call", rank=rank, call_id=call_id,
+                    with self.tracer.span("worker.call", parent=parent, rank=rank,
+                                          call_id=call_id,
                                           method=method if isinstance(method, str)
                                           else "callable"):
                         output = func(*args, **kwargs)
@@ -315,13 +321,14 @@ def worker_main(spec: WorkerSpec) -> None:
     rank = spec.rank
     watcher = DeathPipeWatcher(spec.death_pipe, spec.driver_pid)
     worker: WorkerProc | None = None
+    tracer = NO_TRACER
     failed = False
     try:
         watcher.start()
         _configure_logging(spec.config.log_level)
         apply_cpu_affinity(spec.cpu_affinity)
-        tracer = Tracer.create(spec.trace, f"Worker_{rank}")
-        with tracer.span("worker.start", rank=rank):
+        tracer = Tracer.create(spec.trace, f"Worker_{rank}", spec.config.trace_exporter)
+        with tracer.span("worker.start", parent=spec.trace_parent, rank=rank):
             worker = WorkerProc(spec, tracer, signalled)
         assert worker.rpc_broadcast_mq is not None and worker.worker_response_mq is not None
         watcher.watch([worker.rpc_broadcast_mq, worker.worker_response_mq])
@@ -370,6 +377,7 @@ def worker_main(spec: WorkerSpec) -> None:
             ready_writer.close()
         if worker is not None:
             worker.shutdown()
+        tracer.shutdown()
         spec.death_pipe.close()
         watcher.main_done.set()
         if watcher.driver_gone():
