@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_case(checkpoint: Path, backend: str, dtype: str,
              args: argparse.Namespace) -> tuple[bool, list[str], list[list[int]]]:
-    import torch
 
     from mpexec import LLM, SamplingParams
 
