@@ -240,7 +240,7 @@ class ExecutorConfig:
     mp_start_method: str = "fork"
     # One CPU set per local worker, applied in the child as it starts; or
     # "auto": the usable CPUs partitioned among the local workers, each
-    # inside one NUMA node (mpexec.system.topology).  A pinned CPU worker
+    # inside one NUMA node (mpexec.system.topology, applied by the executor).  A pinned CPU worker
     # without omp_num_threads gets one OpenMP thread per CPU of its set.
     cpu_affinity: Sequence[Sequence[int]] | str | None = None
     # CPU workers: OpenMP threads for every worker (int) or per local worker.
@@ -306,7 +306,7 @@ class ExecutorConfig:
             raise ValueError(
                 f"device_type must be one of {DEVICE_CHOICES}; got {self.device_type!r}")
         if self.device_type == "auto":
-            from mpexec.system.devices import resolve_device_type
+            from mpexec.devices import resolve_device_type
 
             self.device_type = resolve_device_type(self.device_type)
         if not isinstance(self.worker_kwargs, dict):
@@ -399,25 +399,19 @@ class ExecutorConfig:
             return threads
         return threads[local_rank]
 
-    def cpu_sets(self) -> list[list[int]] | None:
-        """The CPU set of every local worker, in local-rank order (None: no pinning).
+    def cpus_for(self, local_rank: int) -> list[int] | None:
+        """The CPU set one local worker is pinned to, if any (an explicit list).
 
-        ``"auto"`` is worked out here, from this machine's usable CPUs and
-        NUMA nodes, so call it on the node that starts the workers.
+        ``"auto"`` is worked out from the machine that starts the workers, by
+        the executor (``mpexec.executor.spec.cpu_sets``); here it is a
+        ``ValueError``.
         """
         if self.cpu_affinity is None:
             return None
         if isinstance(self.cpu_affinity, str):
-            from mpexec.system.topology import numa_nodes, partition_cpus, usable_cpus
-
-            return partition_cpus(self.parallel.local_world_size, usable_cpus(),
-                                  numa_nodes())
-        return [sorted(cpus) for cpus in self.cpu_affinity]
-
-    def cpus_for(self, local_rank: int) -> list[int] | None:
-        """The CPU set one local worker is pinned to, if any."""
-        sets = self.cpu_sets()
-        return None if sets is None else sets[local_rank]
+            raise ValueError("cpu_affinity 'auto' depends on the node that starts the "
+                             "workers: see mpexec.executor.spec.cpu_sets(config)")
+        return sorted(self.cpu_affinity[local_rank])
 
     @classmethod
     def from_env(cls, envs: Envs | None = None, **fields: Any) -> ExecutorConfig:

@@ -43,7 +43,7 @@ def recorded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def fake_cuda(monkeypatch: pytest.MonkeyPatch, visible: bool) -> None:
-    from mpexec.system import devices
+    from mpexec import devices
 
     monkeypatch.setattr(devices, "cuda_available", lambda: visible)
 

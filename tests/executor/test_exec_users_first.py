@@ -68,7 +68,7 @@ def test_a_backend_without_pp_refuses_a_pipeline() -> None:
 # -- the "auto" device ----------------------------------------------------------------
 
 def test_device_auto_is_the_default_and_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.system import devices
+    from mpexec import devices
 
     monkeypatch.setattr(devices, "cuda_available", lambda: False)
     assert ExecutorConfig(worker_cls="m:C").device_type == "cpu"
@@ -79,19 +79,29 @@ def test_device_auto_is_the_default_and_resolves(monkeypatch: pytest.MonkeyPatch
     assert ExecutorConfig(worker_cls="m:C", device_type="auto").device_type == "cuda"
 
 
-def test_cuda_available_does_not_import_a_cpu_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.system import devices
+def test_cuda_available_reads_the_machine_without_importing_torch(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import sys
 
-    monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)
+    from mpexec import devices
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices.glob, "glob", lambda pattern: [])
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    monkeypatch.setattr(devices, "_GPUS", str(gpus))
     monkeypatch.setattr(devices.metadata, "version", lambda name: "2.13.0+cpu")
-    assert devices.cuda_available() is False
+    (gpus / "0000:01:00.0").mkdir()
+    assert devices.cuda_available() is False  # a CPU build of torch, whatever the machine
     monkeypatch.setattr(devices.metadata, "version", lambda name: "2.13.0")
+    assert devices.cuda_available() is True
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert devices.cuda_available() is False
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setattr(devices, "_DRIVER_PATHS", ("/no/such/driver",))
-    assert devices.cuda_available() is False
-    assert "torch" not in __import__("sys").modules
+    (gpus / "0000:01:00.0").rmdir()
+    assert devices.cuda_available() is False  # no NVIDIA GPU
+    assert "torch" not in sys.modules
 
 
 # -- CPU pinning ----------------------------------------------------------------------
@@ -106,7 +116,7 @@ def test_cpu_affinity_auto_pins_each_worker_inside_its_numa_node(
 
     first, second = sorted(os.sched_getaffinity(0))[:2]
     # A faked two-node machine made of two CPUs this process may use.
-    monkeypatch.setattr(topology, "usable_cpus", lambda: [first, second])
+    monkeypatch.setattr(topology, "allowed_cpus", lambda: [first, second])
     monkeypatch.setattr(topology, "numa_nodes", lambda sysfs=None: {0: {first}, 1: {second}})
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
@@ -127,15 +137,18 @@ def test_cpu_affinity_accepts_auto_only_as_a_word() -> None:
 
 
 def test_cpu_sets_auto_partitions_this_nodes_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.system import topology
+    from mpexec.executor import spec
 
-    monkeypatch.setattr(topology, "usable_cpus", lambda: list(range(8)))
-    monkeypatch.setattr(topology, "numa_nodes",
+    monkeypatch.setattr(spec, "allowed_cpus", lambda: list(range(8)))
+    monkeypatch.setattr(spec, "numa_nodes",
                         lambda sysfs=None: {0: set(range(4)), 1: set(range(4, 8))})
     config = ExecutorConfig(worker_cls="m:C", cpu_affinity="auto", device_type="cpu",
                             parallel=ParallelConfig(tensor_parallel_size=4))
-    assert config.cpu_sets() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert config.cpus_for(3) == [6, 7]
+    assert spec.local_cpu_sets(config) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="depends on the node"):
+        config.cpus_for(3)
+    assert spec.local_cpu_sets(config.replace(cpu_affinity=[[3], [2], [1], [0]])) == [
+        [3], [2], [1], [0]]
 
 
 # -- torch.distributed left at shutdown -------------------------------------------------

@@ -354,8 +354,8 @@ def _device_type(device: str) -> str:
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (torch imported only when it may; see
-    :mod:`mpexec.system.devices`)."""
-    from mpexec.system.devices import cuda_available as visible
+    :mod:`mpexec.devices`)."""
+    from mpexec.devices import cuda_available as visible
 
     return visible()
 

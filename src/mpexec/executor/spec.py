@@ -33,6 +33,7 @@ from mpexec.executor.ranks import global_start_rank, is_driver_worker, worker_na
 from mpexec.executor.tracing import current_carrier
 from mpexec.ipc import Handle
 from mpexec.system import thread_vars
+from mpexec.system.topology import allowed_cpus, numa_nodes, partition_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,19 @@ def worker_contexts(config: ExecutorConfig, distributed_init_method: str,
     return contexts
 
 
+def local_cpu_sets(config: ExecutorConfig) -> list[list[int]] | None:
+    """Every local worker's CPU set, in local-rank order (None: no pinning).
+
+    ``cpu_affinity="auto"`` partitions this machine's usable CPUs among the
+    node's workers, each inside one NUMA node (``mpexec.system.topology``).
+    """
+    if config.cpu_affinity is None:
+        return None
+    if isinstance(config.cpu_affinity, str):
+        return partition_cpus(config.parallel.local_world_size, allowed_cpus(), numa_nodes())
+    return [sorted(cpus) for cpus in config.cpu_affinity]
+
+
 def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
                    broadcast_handle: Handle, **extra: Any) -> list[partial[WorkerSpec]]:
     """One ``WorkerSpec`` factory per context, for ``WorkerLauncher.start``
@@ -113,7 +127,7 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
     # when that thread lives as long as the process.
     main_thread = threading.current_thread() is threading.main_thread()
     trace_parent = current_carrier() if config.trace else None
-    cpu_sets = config.cpu_sets()  # "auto" is worked out once, on this node
+    cpu_sets = local_cpu_sets(config)  # "auto" is worked out once, on this node
     factories = []
     for ctx in contexts:
         threads = config.omp_threads_for(ctx.local_rank)

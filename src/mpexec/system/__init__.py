@@ -15,8 +15,7 @@ operating-system-facing steps that every worker start goes through:
   what a forked child inherited (``close_inherited_fds``) and CPU pinning
   (``apply_cpu_affinity``);
 * ``topology`` (imported by name): the CPUs and NUMA nodes, and how a node's
-  workers share them (``partition_cpus``);
-* ``devices`` (imported by name): whether the workers' "auto" device is CUDA.
+  workers share them (``partition_cpus``).
 
 This package never imports torch.  Where torch matters (CUDA already
 initialised, the intra-op thread count) it looks at ``sys.modules`` and only

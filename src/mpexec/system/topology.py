@@ -2,7 +2,7 @@
 
 ::
 
-    usable_cpus()              the CPUs this process may run on (its affinity
+    allowed_cpus()             the CPUs this process may run on (its affinity
                                mask: a cgroup cpuset or ``taskset`` shrinks it)
     numa_nodes(sysfs)          {node: CPUs} from <sysfs>/node<N>/cpulist
                                ({0: online CPUs} where the kernel shows none)
@@ -25,37 +25,16 @@ import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
+from mpexec.system.procs import format_cpu_list, online_cpus, parse_cpu_list
+
 SYSFS_NODES = "/sys/devices/system/node"
 
 
-def usable_cpus() -> list[int]:
-    """The CPUs this process may run on, in order."""
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, in order (``procs.usable_cpus`` counts them)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """``"0-3,8,10-11"`` (the kernel's cpulist format) as a set of CPUs."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def format_cpu_list(cpus: Collection[int]) -> str:
-    """The inverse of :func:`parse_cpu_list`: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    spans: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if spans and spans[-1][1] == cpu - 1:
-            spans[-1][1] = cpu
-        else:
-            spans.append([cpu, cpu])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
 
 
 def numa_nodes(sysfs: str | os.PathLike[str] = SYSFS_NODES) -> dict[int, set[int]]:
@@ -81,8 +60,6 @@ def numa_nodes(sysfs: str | os.PathLike[str] = SYSFS_NODES) -> dict[int, set[int
         if cpus:
             nodes[int(name[4:])] = cpus
     if not nodes:
-        from mpexec.system.procs import online_cpus
-
         nodes[0] = online_cpus()
     return nodes
 
