@@ -256,3 +256,40 @@ def test_a_worker_module_the_actors_cannot_import_is_named(
     assert f"module '{module_on_sys_path}' is not importable in the Ray actor" in text
     assert f"{module_on_sys_path}.py" in text and "PYTHONPATH" in text
     assert live_actors() == [] and live_groups() == []
+
+
+TRACE_MODULE = '''
+from tests.executor.trace_export import FileSpanExporter
+
+
+def exporter():
+    return FileSpanExporter({path!r})
+'''
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_trace_links_the_drivers_call_to_every_actors_span(
+        made: list[RayExecutor], tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.executor.trace_export import read_spans
+
+    # The exporter's module lives only on this driver's sys.path: it reaches
+    # the actors through their PYTHONPATH, and names the file in its code.
+    directory = tmp_path_factory.mktemp("trace_code")
+    spans_file = directory / "spans.jsonl"
+    name = f"mpexec_trace_exporter_{path}_{os.getpid()}"
+    (directory / f"{name}.py").write_text(TRACE_MODULE.format(path=str(spans_file)))
+    monkeypatch.syspath_prepend(str(directory))
+    ex = start(made, path, trace=True, trace_exporter=f"{name}:exporter")
+    assert ex.collective_rpc("echo", args=(3,)) == [3, 3]
+    pids = sorted(w.pid for w in ex.workers)
+    ex.shutdown()
+    spans = read_spans(str(spans_file))
+    [call] = [s for s in spans if s["name"] == "executor.collective_rpc"
+              and s["attributes"]["method"] == "echo"]
+    children = [s for s in spans if s["name"] == "worker.call"
+                and s["attributes"]["method"] == "echo"]
+    assert sorted(s["pid"] for s in children) == pids
+    assert all(s["parent_id"] == call["span_id"] and s["trace_id"] == call["trace_id"]
+               for s in children)
