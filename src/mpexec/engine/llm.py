@@ -127,8 +127,8 @@ class LLM:
             # intra-op thread per worker, rather than refuse.
             on_node = f" on this node (of {parallel.world_size})" if nnodes > 1 else ""
             logger.warning(
-                "tensor_parallel_size x pipeline_parallel_size = %d CPU workers%s on %d "
-                "usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
+                "%d CPU workers%s (tensor x pipeline x prefill context parallel sizes) on "
+                "%d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
                 "run slower than on %d CPUs", world, on_node, cpus, world)
         is_model_worker = worker_cls == MODEL_WORKER
         connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
