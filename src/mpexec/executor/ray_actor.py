@@ -40,7 +40,7 @@ from mpexec.executor.ray_queues import ActorQueues
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.worker_base import WorkerWrapperBase
-from mpexec.executor.worker_proc import WorkerProc
+from mpexec.executor.worker_proc import WorkerProc, release_distributed
 from mpexec.ipc import Handle
 from mpexec.outputs import AsyncModelRunnerOutput
 
@@ -139,6 +139,7 @@ class RayWorkerActor:
     def shutdown_worker(self) -> None:
         if self.wrapper is not None and self.proc is None:
             self.wrapper.shutdown()
+            release_distributed(self.context.rank)  # as WorkerProc.shutdown does
 
     # -- supervision ------------------------------------------------------------------
 
