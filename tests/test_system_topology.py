@@ -69,6 +69,8 @@ def test_partition_from_a_fake_sysfs_keeps_each_worker_in_one_node(tmp_path: Pat
     for cpus in sets:
         assert sum(1 for node_cpus in nodes.values() if set(cpus) & node_cpus) == 1
     assert topology.describe_cpus(sets[2], nodes) == "CPUs 6-8 (NUMA node 1)"
+    assert topology.describe_cpus([12], nodes) == "CPU 12 (NUMA node 2)"
+    assert topology.describe_cpus([5, 6], nodes) == "CPUs 5-6 (NUMA nodes 0,1)"
 
 
 def test_partition_refuses_nonsense() -> None:

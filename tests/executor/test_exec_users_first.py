@@ -126,8 +126,8 @@ def test_cpu_affinity_auto_pins_each_worker_inside_its_numa_node(
         assert ex.collective_rpc("affinity") == [[first], [second]]
         assert ex.collective_rpc("env", args=("OMP_NUM_THREADS",)) == ["1", "1"]
     lines = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage()]
-    assert lines == [f"Worker_TP0 is pinned to CPUs {first} (NUMA node 0); OMP_NUM_THREADS=1",
-                     f"Worker_TP1 is pinned to CPUs {second} (NUMA node 1); OMP_NUM_THREADS=1"]
+    assert lines == [f"Worker_TP0 is pinned to CPU {first} (NUMA node 0); OMP_NUM_THREADS=1",
+                     f"Worker_TP1 is pinned to CPU {second} (NUMA node 1); OMP_NUM_THREADS=1"]
 
 
 def test_cpu_affinity_accepts_auto_only_as_a_word() -> None:

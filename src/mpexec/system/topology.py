@@ -108,4 +108,5 @@ def describe_cpus(cpus: Collection[int], nodes: Mapping[int, Collection[int]]) -
     if touched:
         label = "node" if len(touched) == 1 else "nodes"
         where = f" (NUMA {label} {','.join(map(str, touched))})"
-    return f"CPUs {format_cpu_list(wanted)}{where}"
+    noun = "CPU" if len(wanted) == 1 else "CPUs"
+    return f"{noun} {format_cpu_list(wanted)}{where}"
