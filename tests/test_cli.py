@@ -146,8 +146,7 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int, *needle
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["generate", "--model", "/no/such/model", "--prompt", "hi"], ["no such model"]),
-    (["generate", "--tp", "64", "--pp", "2", "--model", ".", "--prompt", "hi"],
-     ["128 CPU workers", "usable CPUs"]),
+    (["generate", "--prompt", "hi", "--distributed-backend", "mpi"], ["invalid choice"]),
     (["generate", "--prompt", "hi", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["generate"], ["--prompt"]),
     (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature must be >= 0"]),

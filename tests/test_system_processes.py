@@ -89,8 +89,8 @@ def test_apply_cpu_affinity_rejects_empty() -> None:
     ],
 )
 def test_cpu_range_round_trip(text: str, cpus: set[int], ranges: str) -> None:
-    assert system.procs._parse_ranges(text) == cpus
-    assert system.procs._ranges(cpus) == ranges
+    assert system.procs.parse_cpu_list(text) == cpus
+    assert system.procs.format_cpu_list(cpus) == ranges
 
 
 def test_online_cpus_includes_ours() -> None:

@@ -24,6 +24,10 @@ START_METHODS = ("fork", "spawn", "forkserver")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
 RAY_CALL_PATHS = ("shm", "ray")
 DEVICE_TYPES = ("cuda", "cpu")
+# What device_type may be given as: "auto" becomes "cuda" when torch sees a
+# CUDA device, else "cpu" (ExecutorConfig.device_type is never "auto" after
+# construction).
+DEVICE_CHOICES = ("auto", *DEVICE_TYPES)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # A chunk must hold its header and a small call; past 1 GiB a chunk is a
 # typo, not a tuning (large payloads travel in bulk segments anyway).
@@ -32,6 +36,27 @@ MAX_CHUNK_BYTES = 2**30
 MAX_CHUNKS = 4096
 # Each shutdown step waits at most this long (an hour): beyond it, a typo.
 MAX_SHUTDOWN_STEP_S = 3600.0
+
+
+DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+
+
+def distributed_backend_for(device_type: str, requested: str = "auto") -> str:
+    """The torch.distributed backend for workers on ``device_type``.
+
+    ``"auto"``: NCCL for CUDA workers (their collectives run on the GPUs),
+    gloo for CPU workers.  An explicit ``"gloo"`` or ``"nccl"`` is kept, except
+    NCCL for CPU workers, which cannot work: a ValueError says so.
+    """
+    if requested not in DISTRIBUTED_BACKENDS:
+        raise ValueError(f"distributed_backend must be one of {DISTRIBUTED_BACKENDS}; "
+                         f"got {requested!r}")
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if requested == "nccl" and device_type != "cuda":
+        raise ValueError(f"distributed_backend 'nccl' needs CUDA workers; the device is "
+                         f"{device_type!r} (use 'gloo', or 'auto')")
+    return requested
 
 
 def _require_positive(owner: object, *names: str) -> None:
@@ -198,9 +223,11 @@ class ExecutorConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # "uni", "mp", "ray", "module:Class", or an Executor subclass.
     executor_backend: str | type = "mp"
-    # "cuda" workers get one OpenMP thread each unless the user set
-    # OMP_NUM_THREADS; "cpu" workers may get their own share (omp_num_threads).
-    device_type: str = "cuda"
+    # "auto" (CUDA when torch sees a device, else CPU; resolved on
+    # construction), "cuda" or "cpu".  "cuda" workers get one OpenMP thread
+    # each unless the user set OMP_NUM_THREADS; "cpu" workers may get their
+    # own share (omp_num_threads).
+    device_type: str = "auto"
 
     execute_model_timeout_s: float | None = 300.0
     check_health_timeout_s: float = 10.0
@@ -211,8 +238,11 @@ class ExecutorConfig:
     shutdown_term_s: float = 4.0
 
     mp_start_method: str = "fork"
-    # One CPU set per local worker, applied in the child as it starts.
-    cpu_affinity: Sequence[Sequence[int]] | None = None
+    # One CPU set per local worker, applied in the child as it starts; or
+    # "auto": the usable CPUs partitioned among the local workers, each
+    # inside one NUMA node (mpexec.system.topology, applied by the executor).  A pinned CPU worker
+    # without omp_num_threads gets one OpenMP thread per CPU of its set.
+    cpu_affinity: Sequence[Sequence[int]] | str | None = None
     # CPU workers: OpenMP threads for every worker (int) or per local worker.
     omp_num_threads: int | Sequence[int] | None = None
     monitor_workers: bool = True
@@ -240,8 +270,12 @@ class ExecutorConfig:
     ray_placement_timeout_s: float = 60.0
     ray_call_path: str = "shm"
 
-    # OpenTelemetry spans in this executor and its workers (not process-wide).
+    # OpenTelemetry spans in this executor and its workers (not process-wide),
+    # one trace across them; trace_exporter: "module:factory" of a SpanExporter
+    # that the driver and every worker each build a TracerProvider around
+    # (None: each process's own OpenTelemetry setup).  See executor.tracing.
     trace: bool = False
+    trace_exporter: str | None = None
     log_level: str = "INFO"
     # Several nodes (parallel.nnodes > 1): the per-cluster secret every
     # cross-host frame is authenticated with (None: MPEXEC_CLUSTER_SECRET
@@ -268,8 +302,13 @@ class ExecutorConfig:
             raise ValueError(
                 f"mp_start_method must be one of {START_METHODS}; got {self.mp_start_method!r}"
             )
-        if self.device_type not in DEVICE_TYPES:
-            raise ValueError(f"device_type must be one of {DEVICE_TYPES}; got {self.device_type!r}")
+        if self.device_type not in DEVICE_CHOICES:
+            raise ValueError(
+                f"device_type must be one of {DEVICE_CHOICES}; got {self.device_type!r}")
+        if self.device_type == "auto":
+            from mpexec.devices import resolve_device_type
+
+            self.device_type = resolve_device_type(self.device_type)
         if not isinstance(self.worker_kwargs, dict):
             raise ValueError(f"worker_kwargs must be a dict; got {self.worker_kwargs!r}")
         if not isinstance(self.parallel, ParallelConfig):
@@ -302,6 +341,10 @@ class ExecutorConfig:
                              f"got {self.ray_call_path!r}")
         for name in ("monitor_workers", "aggregate_kv_outputs", "shared_worker_lock", "trace"):
             _require_bool(name, getattr(self, name))
+        if self.trace_exporter is not None and (
+                not isinstance(self.trace_exporter, str) or ":" not in self.trace_exporter):
+            raise ValueError("trace_exporter must be 'module:factory' (a callable returning "
+                             f"an OpenTelemetry SpanExporter) or None; got {self.trace_exporter!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}; got {self.log_level!r}")
         _require_str("node_bind_addr", self.node_bind_addr)
@@ -316,7 +359,11 @@ class ExecutorConfig:
             if len(self.cluster_secret.encode()) < 16:
                 raise ValueError("cluster_secret must be at least 16 bytes")
         local = self.parallel.local_world_size
-        if self.cpu_affinity is not None:
+        if isinstance(self.cpu_affinity, str):
+            if self.cpu_affinity != "auto":
+                raise ValueError("cpu_affinity must be 'auto', one CPU set per local worker, "
+                                 f"or None; got {self.cpu_affinity!r}")
+        elif self.cpu_affinity is not None:
             if not isinstance(self.cpu_affinity, Sequence) or isinstance(self.cpu_affinity,
                                                                           str):
                 raise ValueError(f"cpu_affinity must be one CPU set per local worker; got "
@@ -353,9 +400,17 @@ class ExecutorConfig:
         return threads[local_rank]
 
     def cpus_for(self, local_rank: int) -> list[int] | None:
-        """The CPU set one local worker is pinned to, if any."""
+        """The CPU set one local worker is pinned to, if any (an explicit list).
+
+        ``"auto"`` is worked out from the machine that starts the workers, by
+        the executor (``mpexec.executor.spec.cpu_sets``); here it is a
+        ``ValueError``.
+        """
         if self.cpu_affinity is None:
             return None
+        if isinstance(self.cpu_affinity, str):
+            raise ValueError("cpu_affinity 'auto' depends on the node that starts the "
+                             "workers: see mpexec.executor.spec.cpu_sets(config)")
         return sorted(self.cpu_affinity[local_rank])
 
     @classmethod

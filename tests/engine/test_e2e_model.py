@@ -160,3 +160,22 @@ def test_readme_python_example_runs(tiny_checkpoint: Path, tmp_path: Path) -> No
     script.write_text(block.replace('LLM("default"', f'LLM({str(tiny_checkpoint)!r}'))
     result = run_python(str(script), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_cli_generate_tp3_on_two_cpus_warns_and_runs(tiny_checkpoint: Path,
+                                                     baseline: list[list[int]]) -> None:
+    # The child sees at most two CPUs (a laptop's share), then asks for three workers.
+    code = (
+        "import os, sys\n"
+        "os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])\n"
+        "from mpexec.cli import main\n"
+        f"sys.exit(main(['generate', '--model', {str(tiny_checkpoint)!r}, '--tp', '3', "
+        "'--json', '--prompt', " + repr(PROMPTS[0]) + ", '--max-tokens', '12', "
+        "'--temperature', '0']))\n"
+    )
+    result = run_python("-c", code, timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" in result.stderr and "3 CPU workers" in result.stderr
+    row = json.loads(result.stdout.splitlines()[0])
+    assert row["token_ids"] == baseline[0][: len(row["token_ids"])]

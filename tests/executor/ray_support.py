@@ -30,8 +30,8 @@ def live_groups() -> list[Any]:
 def start(made: list[Any], path: str, tp: int = 2, pp: int = 1, **fields: Any) -> Any:
     from mpexec.executor.ray import RayExecutor
 
-    config = make_config(tp, pp, executor_backend="ray", ray_call_path=path, device_type="cpu",
-                         **fields)
+    fields.setdefault("device_type", "cpu")
+    config = make_config(tp, pp, executor_backend="ray", ray_call_path=path, **fields)
     executor = Executor.get_class(config)(config)
     assert isinstance(executor, RayExecutor)
     made.append(executor)

@@ -94,3 +94,57 @@ def test_tracing_is_per_executor(fake_opentelemetry: Any) -> None:
         # A forked worker inherits the driver's recorded spans, none of its own.
         assert [name for _, name, _ in spans if name.startswith("worker.")] == []
     assert len(trace.spans) == before
+
+
+# -- one trace across processes, with the real OpenTelemetry SDK --------------------------
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_one_trace_links_the_drivers_call_to_every_workers_span(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.executor.trace_export import ENV, read_spans
+
+    path = tmp_path / "spans.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    config = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
+                            parallel=ParallelConfig(tensor_parallel_size=2),
+                            mp_start_method=method, trace=True,
+                            trace_exporter="tests.executor.trace_export:file_exporter")
+    with MultiprocExecutor(config) as ex:
+        assert ex.collective_rpc("echo", args=(7,)) == [7, 7]
+        pids = [w.pid for w in ex.workers]
+    spans = read_spans(str(path))
+    by_id = {s["span_id"]: s for s in spans}
+    [call] = [s for s in spans if s["name"] == "executor.collective_rpc"]
+    assert call["process"] == "Executor" and call["attributes"]["method"] == "echo"
+    worker_calls = [s for s in spans if s["name"] == "worker.call"
+                    and s["attributes"]["method"] == "echo"]
+    assert sorted(s["pid"] for s in worker_calls) == sorted(pids)
+    for span in worker_calls:  # each worker's span: a child of the driver's, same trace
+        assert span["parent_id"] == call["span_id"] and span["trace_id"] == call["trace_id"]
+    [start] = [s for s in spans if s["name"] == "executor.start"]
+    worker_starts = [s for s in spans if s["name"] == "worker.start"]
+    assert len(worker_starts) == 2
+    for span in worker_starts:
+        assert span["parent_id"] == start["span_id"] and span["trace_id"] == start["trace_id"]
+        inner = [s for s in spans if s["parent_id"] == span["span_id"]]
+        assert {s["name"] for s in inner} == {"worker.init_device", "worker.load_model"}
+    assert all(s["parent_id"] is None or s["parent_id"] in by_id for s in spans)
+
+
+def test_an_untraced_executor_beside_a_traced_one_records_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.executor.trace_export import ENV, read_spans
+
+    path = tmp_path / "spans.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    traced = ExecutorConfig(worker_cls="tests.executor.workers:EchoWorker",
+                            parallel=ParallelConfig(tensor_parallel_size=1), trace=True,
+                            trace_exporter="tests.executor.trace_export:file_exporter")
+    with MultiprocExecutor(traced) as ex:
+        ex.collective_rpc("echo", args=(1,))
+        before = len(read_spans(str(path)))
+        with MultiprocExecutor(traced.replace(trace=False)) as plain:
+            assert plain.collective_rpc("echo", args=(2,)) == [2]
+        assert len(read_spans(str(path))) == before

@@ -89,7 +89,9 @@ def test_actor_killed_mid_call(made: list[RayExecutor], path: str, how: str) -> 
     ex = start(made, path)
     fired: list[int] = []
     done = threading.Event()
-    ex.register_failure_callback(lambda: (fired.append(1), done.set()))
+    ex.register_failure_callback(lambda: fired.append(1))
+    # Callbacks add up, as on mp and uni: both run, once, in order.
+    ex.register_failure_callback(lambda: (fired.append(2), done.set()))
     pending = ex.collective_rpc("sleep", args=(60.0,), non_block=True)
     victim = ex.workers[1]
     if how == "pid":
@@ -103,7 +105,7 @@ def test_actor_killed_mid_call(made: list[RayExecutor], path: str, how: str) -> 
     with pytest.raises(WorkerDiedError, match="rank 1"):
         ex.collective_rpc("echo", args=(1,))
     ex.shutdown()
-    assert fired == [1]
+    assert fired == [1, 2]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -119,10 +121,23 @@ def test_actor_process_exits_during_start(made: list[RayExecutor]) -> None:
     assert live_actors() == [] and live_groups() == []
 
 
-def test_unsatisfiable_placement_group_names_the_missing_cpus(made: list[RayExecutor]) -> None:
-    with pytest.raises(WorkerStartupError, match=r"within 1s.*CPU 3 needed, 2 in the cluster"):
-        start(made, "shm", tp=3, ray_placement_timeout_s=1.0)
+def test_unsatisfiable_placement_group_fails_at_once_naming_the_missing_cpus(
+        made: list[RayExecutor]) -> None:
+    # A timeout longer than the test's own: only failing at once can pass.
+    with pytest.raises(WorkerStartupError, match=r"can never be placed.*CPU 3 needed, 2 in the "
+                                                 r"cluster"):
+        start(made, "shm", tp=3, ray_placement_timeout_s=3600.0)
+    with pytest.raises(WorkerStartupError, match=r"can never be placed.*GPU 2 needed, 0 in the "
+                                                 r"cluster"):
+        start(made, "shm", tp=2, ray_placement_timeout_s=3600.0, device_type="cuda")
     assert live_groups() == []
+
+
+def test_placement_that_could_succeed_later_waits_its_timeout(made: list[RayExecutor]) -> None:
+    start(made, "shm", tp=2)  # holds both CPUs of the module's Ray
+    with pytest.raises(WorkerStartupError, match=r"within 1s.*CPU 1 needed, 2 in the cluster "
+                                                 r"\(0 free\)"):
+        start(made, "shm", tp=1, ray_placement_timeout_s=1.0)
 
 
 @pytest.mark.torch
@@ -187,3 +202,94 @@ def test_ray_leak_check_sees_an_actor_left_behind(made: list[RayExecutor]) -> No
     ex = start(made, "shm", tp=1)
     left, _, _ = _leftovers(before, open_fds(), set(), is_pooled_ray_process)
     assert ex.workers[0].pid in left
+
+
+WORKER_MODULE = '''
+from mpexec.executor.worker_base import WorkerBase
+
+
+class PathWorker(WorkerBase):
+    def where(self):
+        return __file__
+'''
+
+
+@pytest.fixture
+def module_on_sys_path(tmp_path_factory: pytest.TempPathFactory,
+                       monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A worker module importable only through a sys.path entry of this driver."""
+    directory = tmp_path_factory.mktemp("driver_code")
+    name = f"mpexec_path_worker_{os.getpid()}"
+    (directory / f"{name}.py").write_text(WORKER_MODULE)
+    monkeypatch.syspath_prepend(str(directory))
+    yield name
+    import sys
+
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("as_class", [False, True])
+def test_a_worker_module_on_the_drivers_sys_path_imports_in_the_actors(
+        made: list[RayExecutor], module_on_sys_path: str, as_class: bool) -> None:
+    import importlib
+
+    from mpexec.executor.ray_cluster import actor_runtime_env
+
+    cls: object = f"{module_on_sys_path}:PathWorker"
+    if as_class:
+        cls = importlib.import_module(module_on_sys_path).PathWorker
+    ex = start(made, "shm", worker_cls=cls)
+    where = ex.collective_rpc("where")
+    assert all(w.endswith(f"{module_on_sys_path}.py") for w in where)
+    assert actor_runtime_env(ex.session) is not None  # the directory had to travel
+
+
+def test_a_worker_module_the_actors_cannot_import_is_named(
+        made: list[RayExecutor], module_on_sys_path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.executor import ray as ray_executor
+
+    monkeypatch.setattr(ray_executor, "actor_runtime_env", lambda session: None)
+    with pytest.raises(WorkerStartupError) as info:
+        start(made, "shm", worker_cls=f"{module_on_sys_path}:PathWorker")
+    text = str(info.value)
+    assert f"module '{module_on_sys_path}' is not importable in the Ray actor" in text
+    assert f"{module_on_sys_path}.py" in text and "PYTHONPATH" in text
+    assert live_actors() == [] and live_groups() == []
+
+
+TRACE_MODULE = '''
+from tests.executor.trace_export import FileSpanExporter
+
+
+def exporter():
+    return FileSpanExporter({path!r})
+'''
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_trace_links_the_drivers_call_to_every_actors_span(
+        made: list[RayExecutor], tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.executor.trace_export import read_spans
+
+    # The exporter's module lives only on this driver's sys.path: it reaches
+    # the actors through their PYTHONPATH, and names the file in its code.
+    directory = tmp_path_factory.mktemp("trace_code")
+    spans_file = directory / "spans.jsonl"
+    name = f"mpexec_trace_exporter_{path}_{os.getpid()}"
+    (directory / f"{name}.py").write_text(TRACE_MODULE.format(path=str(spans_file)))
+    monkeypatch.syspath_prepend(str(directory))
+    ex = start(made, path, trace=True, trace_exporter=f"{name}:exporter")
+    assert ex.collective_rpc("echo", args=(3,)) == [3, 3]
+    pids = sorted(w.pid for w in ex.workers)
+    ex.shutdown()
+    spans = read_spans(str(spans_file))
+    [call] = [s for s in spans if s["name"] == "executor.collective_rpc"
+              and s["attributes"]["method"] == "echo"]
+    children = [s for s in spans if s["name"] == "worker.call"
+                and s["attributes"]["method"] == "echo"]
+    assert sorted(s["pid"] for s in children) == pids
+    assert all(s["parent_id"] == call["span_id"] and s["trace_id"] == call["trace_id"]
+               for s in children)

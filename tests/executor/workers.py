@@ -171,3 +171,22 @@ class EchoWorker(WorkerBase):
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return DraftTokenIds(req_ids=["r"], draft_token_ids=[[self.rank]])
+
+
+class FakeCudaWorker(EchoWorker):
+    """Imports torch and replaces ``torch.cuda.set_device`` in this process by
+    a recorder of which thread binds which device (no GPU needed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        super().__init__(*args, **kwargs)
+        self.bound: list[tuple[str, str]] = []
+
+        def set_device(device: Any) -> None:
+            self.bound.append((threading.current_thread().name, str(device)))
+
+        torch.cuda.set_device = set_device
+
+    def bindings(self) -> list[tuple[str, str]]:
+        return list(self.bound)

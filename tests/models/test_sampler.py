@@ -141,3 +141,22 @@ def test_a_row_with_nothing_allowed_is_an_error_not_a_placeholder() -> None:
 def test_short_bitmask_is_refused() -> None:
     with pytest.raises(ValueError, match="needs 4"):
         unpack_bitmask(torch.zeros(1, 3, dtype=torch.int32), 100, torch.device("cpu"))
+
+
+def test_to_host_list_on_the_cpu_is_tolist() -> None:
+    from mpexec.models.sampler import to_host_list
+
+    values = torch.tensor([3, 1, 2])
+    assert to_host_list(values) == [3, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_host_list_from_cuda_goes_through_pinned_memory() -> None:
+    from mpexec.models.sampler import to_host_list
+
+    values = torch.arange(5, device="cuda")
+    assert to_host_list(values) == [0, 1, 2, 3, 4]
+    logits = torch.randn(3, 11, device="cuda")
+    requests = [SampleRequest(SamplingParams(temperature=0), seed=0, position=0)] * 3
+    tokens, _ = sample(logits, requests)
+    assert tokens == logits.argmax(dim=-1).tolist()

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TextIO
 
 from mpexec.cli import UsageError
-from mpexec.system.procs import usable_cpus
 
 
 def check_model(model: str) -> None:
@@ -34,25 +33,52 @@ def check_is_model(model: str) -> None:
         raise UsageError(str(exc)) from None
 
 
-def check_layout(tp: int, pp: int, nnodes: int = 1) -> None:
-    """CPU workers need a CPU each: refuse this node's share of TP x PP beyond this machine."""
+def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto") -> None:
+    """This node's share of TP x PP on CUDA needs one visible device per worker.
+
+    CPU workers are not limited by the CPUs: more workers than CPUs run,
+    one intra-op thread each (the LLM says so in a WARNING).
+    """
     from mpexec.engine.llm import cuda_available
 
     local = tp * pp // nnodes
     what = f"--tp {tp} x --pp {pp} = {tp * pp}"
     if nnodes > 1:
         what += f" / --nnodes {nnodes} = {local}"
-    if cuda_available():
+    if device != "cpu" and cuda_available():
         import torch
 
         count = torch.cuda.device_count()
         if local > count:
             raise UsageError(f"{what} workers, but {count} CUDA devices are visible")
-        return
-    cpus = usable_cpus()
-    if local > cpus:
-        raise UsageError(f"{what} CPU workers, but this machine "
-                         f"has {cpus} usable CPUs (one worker needs one)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``generate`` and ``serve`` share beyond TP and PP: context
+    parallelism, the KV cache's reuse and transfer, devices, CPU placement,
+    and the nodes the workers span."""
+    from mpexec.cli import _positive_int
+
+    parser.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int, default=1,
+                        help="spread each request's KV cache over this many ranks of each TP "
+                        "group (1); needs --tp >= it x the model's KV heads")
+    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=_positive_int,
+                        default=1, help="split each long step's tokens over this many ranks "
+                        "(1); the workers are TP x PP x PCP")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="share the KV of common prompt prefixes (on)")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
+                        '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the workers run (auto: CUDA when visible, else CPU)")
+    parser.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"),
+                        default="auto",
+                        help="torch.distributed backend (auto: nccl on CUDA, else gloo)")
+    parser.add_argument("--cpu-affinity", choices=("auto",), default=None,
+                        help="auto: pin each worker to its share of the usable CPUs, "
+                             "inside one NUMA node (default: no pinning)")
+    add_node_arguments(parser)
 
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from mpexec.cli import UsageError
 from mpexec.cli.common import (
     Progress,
-    add_node_arguments,
+    add_engine_arguments,
     check_is_model,
     check_layout,
     check_model,
@@ -44,12 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (1)")
     parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (1)")
-    parser.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int, default=1,
-                        help="spread each request's KV cache over this many ranks of each TP "
-                        "group (1); needs --tp >= it x the model's KV heads")
-    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=_positive_int,
-                        default=1, help="split each long step's tokens over this many ranks "
-                        "(1); the workers are TP x PP x PCP")
     parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeatable; outputs come in the same order)")
     parser.add_argument("--prompts-file", default=None, metavar="FILE",
@@ -73,13 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="share the KV of common prompt prefixes (on)")
-    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
-                        '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_node_arguments(parser)
+    add_engine_arguments(parser)
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -129,12 +118,18 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     return options
 
 
+def device_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Executor fields from the device flags (only those given)."""
+    affinity = getattr(args, "cpu_affinity", None)
+    return {} if affinity is None else {"cpu_affinity": affinity}
+
+
 def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     """The LLM the command line describes (checked first, so mistakes fail fast)."""
     check_model(args.model)
     nodes = node_options(args, tp, pp)
     nnodes = nodes.get("nnodes", 1)
-    check_layout(tp, pp, nnodes)
+    check_layout(tp, pp, nnodes, getattr(args, "device", "auto"))
     check_is_model(args.model)
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
@@ -155,7 +150,9 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level,
                    enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                    kv_transfer_config=getattr(args, "kv_transfer_config", None),
-                   **nodes)
+                   device=getattr(args, "device", "auto"),
+                   distributed_backend=getattr(args, "distributed_backend", "auto"),
+                   **device_options(args), **nodes)
     except WorkerStartupError as exc:
         if nnodes > 1 and "did not join" in str(exc):
             # The user's next step, on the one line the CLI prints.

@@ -22,7 +22,7 @@ from mpexec.cli import UsageError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mpexec.cli import _positive_int
-    from mpexec.cli.common import add_node_arguments
+    from mpexec.cli.common import add_engine_arguments
 
     parser.add_argument("model", nargs="?", default="default",
                         help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get after SIGTERM (10)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=("critical", "error", "warning", "info", "debug"))
-    add_node_arguments(parser)
+    add_engine_arguments(parser)
 
 
 def _check_bind(host: str, port: int) -> None:

@@ -34,13 +34,19 @@ cache sizing - runs on the leader as on one node.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from mpexec.config import ExecutorConfig, ParallelConfig, SchedulerConfig
+from mpexec.config import (
+    ExecutorConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    distributed_backend_for,
+)
 from mpexec.engine.engine import Engine
 from mpexec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mpexec.engine.request import Request
@@ -52,6 +58,7 @@ from mpexec.outputs import SamplingParams
 from mpexec.system.procs import usable_cpus
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
+logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
@@ -99,6 +106,7 @@ class LLM:
         kv_transfer_config: dict[str, Any] | str | None = None,
         kv_cache_memory_bytes: int | None = None,
         device: str = "auto",
+        distributed_backend: str = "auto",
         num_threads: int | None = None,
         worker_cls: str | type = MODEL_WORKER,
         worker_kwargs: dict[str, Any] | None = None,
@@ -110,20 +118,25 @@ class LLM:
         self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
         _check_arguments(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+        device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
                                   decode_context_parallel_size=decode_context_parallel_size,
                                   prefill_context_parallel_size=prefill_context_parallel_size,
                                   nnodes=nnodes, node_rank=node_rank,
-                                  master_addr=master_addr, master_port=master_port)
-        device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
+                                  master_addr=master_addr, master_port=master_port,
+                                  backend=distributed_backend_for(device_type,
+                                                                  distributed_backend))
         world = parallel.local_world_size  # the workers of this node
-        if device_type == "cpu" and worker_cls == MODEL_WORKER and world > usable_cpus():
+        cpus = usable_cpus()
+        if device_type == "cpu" and worker_cls == MODEL_WORKER and world > cpus:
+            # Any layout runs (slowly) on any machine: share the CPUs, one
+            # intra-op thread per worker, rather than refuse.
             on_node = f" on this node (of {parallel.world_size})" if nnodes > 1 else ""
-            raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} CPU workers"
-                f"{on_node}, but this machine has {usable_cpus()} usable CPUs: one worker "
-                "needs one CPU")
+            logger.warning(
+                "%d CPU workers%s (tensor x pipeline x prefill context parallel sizes) on "
+                "%d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
+                "run slower than on %d CPUs", world, on_node, cpus, world)
         is_model_worker = worker_cls == MODEL_WORKER
         connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
                                  parallel.world_size)
@@ -141,7 +154,7 @@ class LLM:
             # longer than the model's, fails here in one line.
             self.vocab_size = _check_model_len(path, max_model_len)
             if num_threads is None and device_type == "cpu":
-                num_threads = max(1, usable_cpus() // world)
+                num_threads = max(1, cpus // world)
             # Follower nodes open the checkpoint at the same path; "default"
             # travels as it is, so each node fetches (or finds) its own copy.
             spec = "default" if nnodes > 1 and str(model) == "default" else str(path)
@@ -406,24 +419,11 @@ def _device_type(device: str) -> str:
 
 
 def cuda_available() -> bool:
-    """Whether torch sees a CUDA device, without importing a CPU-only torch.
+    """Whether torch sees a CUDA device (torch imported only when it may; see
+    :mod:`mpexec.devices`)."""
+    from mpexec.devices import cuda_available as visible
 
-    Importing torch starts a thread, and a driver with threads must spawn its
-    workers instead of forking them (slower): a ``+cpu`` build is known to
-    have no CUDA from its version alone.
-    """
-    import sys
-    from importlib import metadata
-
-    if "torch" not in sys.modules:
-        try:
-            if "+cpu" in metadata.version("torch"):
-                return False
-        except metadata.PackageNotFoundError:
-            return False
-    import torch
-
-    return bool(torch.cuda.is_available())
+    return visible()
 
 
 def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: int,

@@ -45,6 +45,10 @@ _BACKENDS = {
 class Executor(ABC):
     """Runs the same calls on every worker and collects their replies."""
 
+    # Whether this backend can run pipeline_parallel_size > 1 (its workers
+    # run concurrent micro-batches); a backend says so itself.
+    supports_pp: bool = False
+
     @staticmethod
     def get_class(config: ExecutorConfig) -> type[Executor]:
         """The Executor subclass ``config.executor_backend`` names.
@@ -78,11 +82,18 @@ class Executor(ABC):
         return cls
 
     def __init__(self, config: ExecutorConfig) -> None:
+        if config.parallel.pipeline_parallel_size > 1 and not self.supports_pp:
+            raise ValueError(
+                f"{type(self).__qualname__} does not support pipeline parallelism "
+                f"(pipeline_parallel_size = {config.parallel.pipeline_parallel_size}); "
+                "use executor_backend 'mp' or 'ray'")
         self.config = config
         self.parallel_config = config.parallel
         self.scheduler_config = config.scheduler
         self._failed = False
-        self.failure_callback: FailureCallback | None = None
+        # Every callback registered, each run once (the engine registers its
+        # own, so a user's must not replace it): the same on every backend.
+        self._failure_callbacks: list[FailureCallback] = []
         self._callback_lock = threading.Lock()
         self.kv_output_aggregator: KVOutputAggregator | None = (
             KVOutputAggregator(config.parallel.world_size)
@@ -180,20 +191,21 @@ class Executor(ABC):
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback`` once when the executor fails (at once if it has).
 
-        A callback that raises is logged at ERROR; it never reaches the
-        thread that noticed the failure.
+        Callbacks add up: each one registered runs once, in the order they
+        were registered.  A callback that raises is logged at ERROR; it never
+        reaches the thread that noticed the failure, nor stops the others.
         """
         with self._callback_lock:
             if not self.is_failed:
-                self.failure_callback = callback
+                self._failure_callbacks.append(callback)
                 return
         _run_callback(callback)
 
     def _fire_failure_callback(self) -> None:
-        """Run the registered callback; call only after the executor failed."""
+        """Run the registered callbacks once; call only after the executor failed."""
         with self._callback_lock:
-            callback, self.failure_callback = self.failure_callback, None
-        if callback is not None:
+            callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
             _run_callback(callback)
 
     @abstractmethod

@@ -81,6 +81,8 @@ _DYING_WAIT_S = 1.0
 class MultiprocExecutor(Executor):
     """One worker process per local rank; see the module docstring."""
 
+    supports_pp = True
+
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
         self.monitor_workers = config.monitor_workers if monitor_workers is None \
             else monitor_workers
@@ -88,10 +90,12 @@ class MultiprocExecutor(Executor):
         self.local_world_size = config.parallel.local_world_size
         self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
         self.lifecycle = Lifecycle(self.termination)
-        self.tracer = Tracer.create(config.trace, "Executor")
+        self.tracer = Tracer.create(config.trace, "Executor", config.trace_exporter)
         if self.tracer.enabled:
-            # Only a traced executor pays for the span around each call.
+            # Only a traced executor pays for the span around each call and
+            # for the traceparent that travels with it.
             self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
+            self._broadcast = self._traced_broadcast  # type: ignore[method-assign]
         self.workers: list[WorkerHandle] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
@@ -356,6 +360,12 @@ class MultiprocExecutor(Executor):
         with self.tracer.span("executor.collective_rpc", method=name):
             return MultiprocExecutor.collective_rpc(self, method, *args, **kwargs)
 
+    def _traced_broadcast(self, message: tuple[Any, ...], deadline: float | None,
+                          name: str) -> None:
+        # The call's span (executor.collective_rpc) goes with it: the parent
+        # of each worker's worker.call span.
+        type(self)._broadcast(self, (*message, self.tracer.carrier()), deadline, name)
+
     def _broadcast(self, message: tuple[Any, ...], deadline: float | None, name: str) -> None:
         """Put one call on the broadcast ring (the one place that does)."""
         mq = self.rpc_broadcast_mq
@@ -390,6 +400,7 @@ class MultiprocExecutor(Executor):
         self._finalizer()
         self.lifecycle.close()  # returns only once a teardown elsewhere is done
         self.shared_worker_lock = None
+        self.tracer.shutdown()
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:

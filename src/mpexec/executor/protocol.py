@@ -8,12 +8,16 @@ Ready pipe (worker -> driver, exactly one message)::
 Broadcast queue (driver -> every worker), one ``Call`` per call::
 
     (call_id, method, args, kwargs, output_rank)
+    (call_id, method, args, kwargs, output_rank, traceparent)   only when tracing
 
 ``method`` is a method name, or the bytes of a cloudpickled callable that
 takes the worker as its first argument; ``output_rank`` None means every
 worker replies.  ``call_id`` grows by exactly one per broadcast, starting at
 1, so a worker always knows which call a message was even when the message
 itself cannot be unpickled (it then answers that call with a failure).
+``traceparent`` (a W3C carrier dict, or None) is the driver's span for the
+call; an executor and its workers agree on the shape through
+``ExecutorConfig.trace`` (see ``tracing``).
 
 Reply queue (worker -> driver), one ``Reply`` per call this worker answers,
 in call order::

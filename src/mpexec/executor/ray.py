@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -54,7 +55,13 @@ from mpexec.executor.launch import handshake
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.multiproc import MultiprocExecutor
 from mpexec.executor.ray_actor import SUPERVISE_GROUP, RayWorkerActor
-from mpexec.executor.ray_cluster import RaySession, bundles_for, place_workers, remove_group
+from mpexec.executor.ray_cluster import (
+    RaySession,
+    actor_runtime_env,
+    bundles_for,
+    place_workers,
+    remove_group,
+)
 from mpexec.executor.ray_queues import broadcast_queue, plan_queues, reply_queue
 from mpexec.executor.ray_replies import RayReplies
 from mpexec.executor.spec import PortReservation, worker_contexts
@@ -204,16 +211,20 @@ class RayExecutor(MultiprocExecutor):
         gpus = 1 if config.device_type == "cuda" else 0
         actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0,
                                concurrency_groups={SUPERVISE_GROUP: 1})(RayWorkerActor)
+        # The driver's code directories, so that its worker class imports there too.
+        runtime_env = actor_runtime_env(session)
+        extra: dict[str, Any] = {} if runtime_env is None else {"runtime_env": runtime_env}
         handles: list[RayWorkerHandle] = []
         for ctx in worker_contexts(config, life.port.init_method):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
-            actor = actor_cls.options(scheduling_strategy=strategy).remote(
+            actor = actor_cls.options(scheduling_strategy=strategy, **extra).remote(
                 ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
                 os.getpriority(os.PRIO_PROCESS, 0))
             handles.append(RayWorkerHandle(ray, ctx.rank, actor))
             life.handles.append(handles[-1])
-        reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s)
+        reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
+                                      runtime_env)
         if plan is None:
             assert isinstance(self.replies, RayReplies)
             self.replies.attach(ray, handles)
@@ -282,7 +293,7 @@ class RayExecutor(MultiprocExecutor):
 
 
 def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,
-                  timeout_s: float) -> list[Any]:
+                  timeout_s: float, runtime_env: dict[str, Any] | None = None) -> list[Any]:
     """Each actor's ``start()``: its reply handle (None on the "ray" path), in rank order."""
     pending = {h.actor.start.remote(): h for h in handles}
     started: dict[int, Any] = {}
@@ -301,13 +312,49 @@ def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,
                 cause = getattr(exc, "cause", None) or exc
                 error = WorkerStartupError(
                     f"worker rank {h.rank} failed during start-up with "
-                    f"{type(cause).__name__}: {cause}", rank=h.rank, remote_traceback=str(exc))
+                    f"{type(cause).__name__}: {cause}{_import_hint(exc, runtime_env)}",
+                    rank=h.rank, remote_traceback=str(exc))
                 error.__cause__ = cause
                 raise error from None
             except ray.exceptions.RayError as exc:
                 raise WorkerStartupError(f"worker rank {h.rank} died during start-up: "
-                                         f"{h.why_gone()}", rank=h.rank) from exc
+                                         f"{h.why_gone()}{_import_hint(exc, runtime_env)}",
+                                         rank=h.rank) from exc
     return [started[h.rank] for h in handles]
+
+
+def _import_hint(exc: BaseException, runtime_env: dict[str, Any] | None) -> str:
+    """When the actor could not import a module: which one, and where it looked."""
+    missing = _missing_module(exc)
+    if missing is None:
+        return ""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(missing)
+    except (ImportError, ValueError):
+        spec = None
+    here = (f"; in the driver it is {spec.origin}" if spec is not None and spec.origin
+            else "; the driver cannot import it either")
+    env_vars = (runtime_env or {}).get("env_vars", {})
+    tried = env_vars.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    paths = [p for p in tried.split(os.pathsep) if p]
+    return (f" (module {missing!r} is not importable in the Ray actor{here}; the actor "
+            f"looked in its working directory, its installed packages and PYTHONPATH "
+            f"{paths}: install the module, or put its directory on PYTHONPATH on every "
+            "Ray node)")
+
+
+def _missing_module(exc: BaseException) -> str | None:
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain Ray builds is short
+        if seen is None:
+            break
+        if isinstance(seen, ModuleNotFoundError) and seen.name:
+            return seen.name
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    match = re.search(r"No module named '([^']+)'", str(exc))
+    return match.group(1) if match else None
 
 
 class _RayState:

@@ -40,7 +40,7 @@ from mpexec.executor.ray_queues import ActorQueues
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.worker_base import WorkerWrapperBase
-from mpexec.executor.worker_proc import WorkerProc
+from mpexec.executor.worker_proc import WorkerProc, release_distributed
 from mpexec.ipc import Handle
 from mpexec.outputs import AsyncModelRunnerOutput
 
@@ -62,6 +62,9 @@ class RayWorkerActor:
         self.niceness = niceness
         self.proc: WorkerProc | None = None
         self.wrapper: WorkerWrapperBase | None = None
+        config = context.config
+        self.tracer = Tracer.create(config.trace, f"Worker_{context.rank}",
+                                    config.trace_exporter)
         self._exit = threading.Event()
 
     def start(self) -> tuple[int, str, Handle | None]:
@@ -83,10 +86,10 @@ class RayWorkerActor:
         spec = WorkerSpec(context=ctx, broadcast_handle=self.broadcast_handle,
                           ready_pipe=cast(Any, None), death_pipe=cast(Any, None),
                           driver_pid=self.driver_pid, parent_death_signal=False,
+                          trace=ctx.config.trace,
                           reply_connect_ip=self.queues.reply_connect_ip,
                           cluster_secret=self.queues.cluster_secret)
-        self.proc = WorkerProc(spec, Tracer.create(False, f"Worker_{ctx.rank}"),
-                               threading.Event())
+        self.proc = WorkerProc(spec, self.tracer, threading.Event())
         self.wrapper = self.proc.worker
         assert self.proc.worker_response_mq is not None
         return os.getpid(), node_id, self.proc.worker_response_mq.export_handle()
@@ -111,7 +114,8 @@ class RayWorkerActor:
     # -- the "ray" path ------------------------------------------------------------
 
     def execute(self, call: tuple[Any, ...]) -> Reply:
-        call_id, method, args, kwargs, _output_rank = call
+        # A traced driver adds a sixth element: its span, this call's parent.
+        call_id, method, args, kwargs = call[:4]
         wrapper = self.wrapper
         assert wrapper is not None
         try:
@@ -119,7 +123,13 @@ class RayWorkerActor:
                 func = wrapper.resolve(method)
             else:
                 func = partial(cloudpickle.loads(method), wrapper)
-            output = func(*args, **kwargs)
+            if len(call) > 5:
+                with self.tracer.span("worker.call", parent=call[5], rank=self.context.rank,
+                                      call_id=call_id,
+                                      method=method if isinstance(method, str) else "callable"):
+                    output = func(*args, **kwargs)
+            else:
+                output = func(*args, **kwargs)
             if isinstance(output, AsyncModelRunnerOutput):
                 output = output.get_output()
         except (Exception, SystemExit) as exc:
@@ -129,6 +139,7 @@ class RayWorkerActor:
     def shutdown_worker(self) -> None:
         if self.wrapper is not None and self.proc is None:
             self.wrapper.shutdown()
+            release_distributed(self.context.rank)  # as WorkerProc.shutdown does
 
     # -- supervision ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ way.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -28,9 +29,13 @@ from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.executor.context import WorkerContext
-from mpexec.executor.ranks import global_start_rank, is_driver_worker
+from mpexec.executor.ranks import global_start_rank, is_driver_worker, worker_name
+from mpexec.executor.tracing import current_carrier
 from mpexec.ipc import Handle
 from mpexec.system import thread_vars
+from mpexec.system.topology import allowed_cpus, numa_nodes, partition_cpus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class WorkerSpec:
     # the driver (the signal follows the thread that created the child).
     parent_death_signal: bool
     trace: bool = False
+    # The driver's start-up span (W3C traceparent) when tracing: the parent
+    # of this worker's worker.start span.
+    trace_parent: Mapping[str, str] | None = None
     # Descriptors a forked child inherited from its siblings' pipes.
     inherited_fds: tuple[int, ...] = ()
     cpu_affinity: tuple[int, ...] | None = None
@@ -98,6 +106,19 @@ def worker_contexts(config: ExecutorConfig, distributed_init_method: str,
     return contexts
 
 
+def local_cpu_sets(config: ExecutorConfig) -> list[list[int]] | None:
+    """Every local worker's CPU set, in local-rank order (None: no pinning).
+
+    ``cpu_affinity="auto"`` partitions this machine's usable CPUs among the
+    node's workers, each inside one NUMA node (``mpexec.system.topology``).
+    """
+    if config.cpu_affinity is None:
+        return None
+    if isinstance(config.cpu_affinity, str):
+        return partition_cpus(config.parallel.local_world_size, allowed_cpus(), numa_nodes())
+    return [sorted(cpus) for cpus in config.cpu_affinity]
+
+
 def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
                    broadcast_handle: Handle, **extra: Any) -> list[partial[WorkerSpec]]:
     """One ``WorkerSpec`` factory per context, for ``WorkerLauncher.start``
@@ -105,19 +126,35 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
     # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
     # when that thread lives as long as the process.
     main_thread = threading.current_thread() is threading.main_thread()
+    trace_parent = current_carrier() if config.trace else None
+    cpu_sets = local_cpu_sets(config)  # "auto" is worked out once, on this node
     factories = []
     for ctx in contexts:
         threads = config.omp_threads_for(ctx.local_rank)
+        cpus = None if cpu_sets is None else cpu_sets[ctx.local_rank]
+        if threads is None and config.device_type == "cpu" and cpus is not None:
+            threads = len(cpus)  # a pinned CPU worker: one thread per CPU of its own
         if threads is None and config.device_type == "cpu":
             env: dict[str, str] = {}  # CPU workers left to the user's environment
         else:
             env = thread_vars(threads, os.environ)
-        cpus = config.cpus_for(ctx.local_rank)
+        if cpus is not None:
+            _log_binding(ctx, cpus, env)
         factories.append(partial(
             WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
             driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
+            trace_parent=trace_parent,
             cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env, **extra))
     return factories
+
+
+def _log_binding(ctx: WorkerContext, cpus: list[int], env: Mapping[str, str]) -> None:
+    from mpexec.system.topology import describe_cpus, numa_nodes
+
+    threads = env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "unset"
+    logger.info("%s is pinned to %s; OMP_NUM_THREADS=%s",
+                worker_name(ctx.rank, ctx.config.parallel), describe_cpus(cpus, numa_nodes()),
+                threads)
 
 
 class PortReservation:

@@ -38,6 +38,8 @@ from mpexec.outputs import AsyncModelRunnerOutput, KVOutputAggregator
 class UniProcExecutor(Executor):
     """Runs the single worker (world_size 1) in the calling process."""
 
+    supports_pp = False
+
     def __init__(self, config: ExecutorConfig) -> None:
         self.driver_worker = WorkerWrapperBase(rpc_rank=0, global_rank=0)
         self.shutting_down = False

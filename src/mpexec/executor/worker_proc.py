@@ -4,7 +4,7 @@ Start-up, in the child (``worker_main(spec)``)::
 
     lead a new process group; arm the parent-death signal (SIGTERM) when asked
     install SIGTERM/SIGINT handlers (each turns into one SystemExit)
-    close the siblings' pipe ends inherited through fork; pin CPUs; thread counts
+    close the siblings' pipe ends inherited through fork; thread counts; pin CPUs
     start the death-pipe watcher (``watcher``)
     WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
                       load_model, attach the broadcast queue, create the reply queue
@@ -51,7 +51,7 @@ from mpexec.executor.protocol import (
 )
 from mpexec.executor.ranks import worker_name
 from mpexec.executor.spec import WorkerSpec
-from mpexec.executor.tracing import Tracer
+from mpexec.executor.tracing import NO_TRACER, Tracer
 from mpexec.executor.watcher import DeathPipeWatcher, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
 from mpexec.ipc import MessageQueue
@@ -147,11 +147,15 @@ class WorkerProc:
             self.enqueue_output(call_id, output)
 
     def async_output_busy_loop(self) -> None:
-        # A new thread starts without the main thread's device binding; a
-        # worker that needs one (a CUDA device) provides bind_output_thread().
+        # A new thread starts without the main thread's device binding: a
+        # CUDA worker's replies are copied from its device in this thread, so
+        # it binds the worker's device first (or the worker's own
+        # bind_output_thread() does it).
         bind = getattr(self.worker.worker, "bind_output_thread", None)
         if bind is not None:
             bind()
+        else:
+            bind_device(self.spec.context.device)
         while True:
             item = self.async_output_queue.get()
             if item is _STOP:
@@ -171,9 +175,14 @@ class WorkerProc:
         handle_output = self.handle_output if self.use_async_scheduling else self.enqueue_output
         traced = self.tracer.enabled
         last_call_id = 0
+        parent = None
         while True:
             try:
-                call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
+                if traced:  # a sixth element: the driver's span (W3C traceparent)
+                    call_id, method, args, kwargs, output_rank, parent = mq.dequeue(
+                        indefinite=True)
+                else:
+                    call_id, method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
             except (UndecodableMessageError, OSError) as exc:
                 # A message the transport consumed but could not deliver (its
                 # unpickling failed, or no memory to map it): the call fails,
@@ -195,7 +204,8 @@ class WorkerProc:
                 else:
                     func = partial(cloudpickle.loads(method), worker)
                 if traced:
-                    with self.tracer.span("worker.call", rank=rank, call_id=call_id,
+                    with self.tracer.span("worker.call", parent=parent, rank=rank,
+                                          call_id=call_id,
                                           method=method if isinstance(method, str)
                                           else "callable"):
                         output = func(*args, **kwargs)
@@ -230,6 +240,41 @@ class WorkerProc:
             self.worker.shutdown()
         except Exception:
             logger.exception("rank %d: worker.shutdown() failed", self.rank)
+        release_distributed(self.rank)
+
+
+def bind_device(device: str) -> None:
+    """Make ``device`` (``"cuda:N"``) the current CUDA device of this thread.
+
+    Nothing for a CPU device; looked up in ``sys.modules`` so that this
+    module stays importable without torch (a CUDA worker has imported it).
+    """
+    torch = sys.modules.get("torch")
+    if not device.startswith("cuda") or torch is None:
+        return
+    torch.cuda.set_device(device)
+
+
+def release_distributed(rank: int) -> None:
+    """Leave torch.distributed if this worker joined it and is still in it.
+
+    Any worker class may initialise ``torch.distributed`` (or build
+    ``mpexec.distributed`` groups); one that does not tear it down in its own
+    ``shutdown()`` would leave its process groups (and their sockets, or NCCL
+    communicators) to the exit of the process.  Looked up in ``sys.modules``
+    only: a worker that never imported torch pays nothing, and this module
+    stays importable without torch.
+    """
+    state = sys.modules.get("mpexec.distributed.parallel_state")
+    try:
+        if state is not None:
+            state.destroy_distributed_environment()
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            logger.debug("rank %d: left torch.distributed at shutdown", rank)
+    except Exception as exc:  # a peer already gone: nothing left to free
+        logger.debug("rank %d: leaving torch.distributed failed: %s", rank, exc)
 
 
 def _configure_logging(level: str) -> None:
@@ -276,13 +321,14 @@ def worker_main(spec: WorkerSpec) -> None:
     rank = spec.rank
     watcher = DeathPipeWatcher(spec.death_pipe, spec.driver_pid)
     worker: WorkerProc | None = None
+    tracer = NO_TRACER
     failed = False
     try:
         watcher.start()
         _configure_logging(spec.config.log_level)
         apply_cpu_affinity(spec.cpu_affinity)
-        tracer = Tracer.create(spec.trace, f"Worker_{rank}")
-        with tracer.span("worker.start", rank=rank):
+        tracer = Tracer.create(spec.trace, f"Worker_{rank}", spec.config.trace_exporter)
+        with tracer.span("worker.start", parent=spec.trace_parent, rank=rank):
             worker = WorkerProc(spec, tracer, signalled)
         assert worker.rpc_broadcast_mq is not None and worker.worker_response_mq is not None
         watcher.watch([worker.rpc_broadcast_mq, worker.worker_response_mq])
@@ -331,6 +377,7 @@ def worker_main(spec: WorkerSpec) -> None:
             ready_writer.close()
         if worker is not None:
             worker.shutdown()
+        tracer.shutdown()
         spec.death_pipe.close()
         watcher.main_done.set()
         if watcher.driver_gone():

@@ -100,20 +100,43 @@ def sample(logits: torch.Tensor, requests: Sequence[SampleRequest],
     greedy = [i for i, r in enumerate(requests) if r.params.greedy]
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)
-        picked = logits[rows].argmax(dim=-1).tolist()
+        picked = to_host_list(logits[rows].argmax(dim=-1))
         for i, token in zip(greedy, picked, strict=True):
             tokens[i] = token
     vocab = logits.shape[-1]
     generator = torch.Generator(device=logits.device)
+    random_rows: list[int] = []
+    random_picks: list[torch.Tensor] = []
     for i, request in enumerate(requests):
         if request.params.greedy:
             continue
         probs = _filter_row(logits[i] / request.params.temperature, request.params)
         generator.manual_seed(noise_seed(request.seed, request.position))
         noise = torch.empty(vocab, device=logits.device).exponential_(generator=generator)
-        tokens[i] = int((probs / noise).argmax())
+        random_rows.append(i)
+        random_picks.append((probs / noise).argmax())
+    if random_picks:  # one copy to the host for all of them
+        for i, token in zip(random_rows, to_host_list(torch.stack(random_picks)), strict=True):
+            tokens[i] = token
     logprobs = None
     if any(r.params.logprobs for r in requests):
         index = torch.tensor(tokens, device=logits.device).unsqueeze(-1)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, index).squeeze(-1).tolist()
+        logprobs = to_host_list(
+            torch.log_softmax(logits, dim=-1).gather(-1, index).squeeze(-1))
     return tokens, logprobs
+
+
+def to_host_list(values: torch.Tensor) -> list[Any]:
+    """``values.tolist()``; from a CUDA device through pinned host memory.
+
+    A copy from the GPU into pageable memory is staged by the driver through
+    a pinned buffer of its own; copying into a pinned tensor (torch caches
+    those allocations) is one DMA transfer, after which only this stream is
+    waited on, not the whole device.
+    """
+    if values.device.type != "cuda":
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    torch.cuda.current_stream(values.device).synchronize()
+    return host.tolist()

@@ -13,7 +13,9 @@ operating-system-facing steps that every worker start goes through:
 * ``procs``: liveness (``process_gone``, ``open_pidfd``), process groups
   (``become_group_leader``, ``kill_process_group``), the parent-death signal,
   what a forked child inherited (``close_inherited_fds``) and CPU pinning
-  (``apply_cpu_affinity``).
+  (``apply_cpu_affinity``);
+* ``topology`` (imported by name): the CPUs and NUMA nodes, and how a node's
+  workers share them (``partition_cpus``).
 
 This package never imports torch.  Where torch matters (CUDA already
 initialised, the intra-op thread count) it looks at ``sys.modules`` and only

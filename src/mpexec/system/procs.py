@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ def apply_cpu_affinity(cpus: Sequence[int] | None) -> None:
     missing = sorted(c for c in wanted if c not in known)
     if missing:
         raise ValueError(
-            f"CPU(s) {missing} do not exist on this machine; online CPUs: {_ranges(known)}"
+            f"CPU(s) {missing} do not exist on this machine; online CPUs: "
+            f"{format_cpu_list(known)}"
         )
     if not hasattr(os, "sched_setaffinity"):
         logger.warning("CPU affinity is not supported on %s; ignoring %s", sys.platform, cpus)
@@ -116,12 +117,13 @@ def online_cpus() -> set[int]:
     """CPU numbers the kernel has online (all of ``os.cpu_count()`` elsewhere)."""
     try:
         with open("/sys/devices/system/cpu/online") as f:
-            return _parse_ranges(f.read())
+            return parse_cpu_list(f.read())
     except (OSError, ValueError):
         return set(range(os.cpu_count() or 1))
 
 
-def _parse_ranges(text: str) -> set[int]:
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` (the kernel's cpulist format) as a set of CPUs."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
         if not part:
@@ -131,7 +133,8 @@ def _parse_ranges(text: str) -> set[int]:
     return cpus
 
 
-def _ranges(cpus: set[int]) -> str:
+def format_cpu_list(cpus: Collection[int]) -> str:
+    """The inverse of :func:`parse_cpu_list`: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
     spans: list[list[int]] = []
     for cpu in sorted(cpus):
         if spans and spans[-1][1] == cpu - 1:
