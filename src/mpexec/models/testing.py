@@ -144,8 +144,10 @@ def write_tiny_gguf(
 ) -> Path:
     """Write ``hf_dir`` (a tiny checkpoint) as a GGUF file at ``path``.
 
-    ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) is used for every 2-D weight
-    whose rows are whole blocks; others and all 1-D tensors are F32.
+    ``qtype`` (a ``gguf.GGMLQuantizationType`` name) is used for every 2-D
+    weight whose rows are whole blocks; others and all 1-D tensors are F32.
+    Types gguf cannot quantise (K-quants, IQ types) get random blocks (see
+    ``_quantize``): for loader tests, not for comparing outputs.
     ``skip`` leaves out GGUF tensors by name, and ``metadata_changes``
     overrides ``llama.*`` integer keys: both only to make damaged files.
     """
@@ -181,6 +183,7 @@ def write_tiny_gguf(
 
     gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
     quant = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.Generator(np.random.PCG64(1))
     for hf, values in tensors.items():
         name = gguf_names[hf]
         if name in skip:
@@ -191,9 +194,9 @@ def write_tiny_gguf(
             heads = values.shape[0] // head_dim
             values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
                       .swapaxes(1, 2).reshape(values.shape))
-        whole_blocks = values.shape[-1] % 32 == 0 or qtype in ("F16", "BF16")
+        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
         if values.ndim == 2 and qtype != "F32" and whole_blocks:
-            writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values))
     writer.write_header_to_file()
@@ -201,6 +204,29 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _quantize(values: Any, quant: Any, rng: Any) -> Any:
+    """``values`` in ``quant``'s blocks; random blocks where gguf cannot quantise.
+
+    gguf's Python package quantises the legacy types only.  For the others
+    (K-quants, IQ types) the blocks are random bytes of the right size, with
+    bit 6 of every odd byte cleared so that every little-endian float16 at an
+    even offset (all the scales of these layouts) is finite and below 2: such
+    a file tests the loader's blocks and slices, not the model's numerics.
+    """
+    import gguf
+    import numpy as np
+
+    try:
+        return gguf.quants.quantize(values, quant)
+    except NotImplementedError:
+        pass
+    elements, size = gguf.GGML_QUANT_SIZES[quant]
+    shape = (*values.shape[:-1], values.shape[-1] // elements * size)
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[..., 1::2] &= 0xBF
+    return raw
 
 
 def _gguf_name_table(layers: int) -> dict[str, str]:

@@ -5,8 +5,9 @@
     read(hf_name, dim, start, stop)
         hf name ─► gguf name (blk.N.attn_q.weight …)
         rows [start:stop] (dim 0)        → only those rows' bytes
-        columns [start:stop] (last dim)  → only the 32-element blocks that cover them
-        ─► quants.dequantize ─► Q/K rows put back in Hugging Face order
+        columns [start:stop] (last dim)  → only the blocks that cover them (32
+                                           elements, 256 for K-quant super-blocks)
+        ─► quants.dequantize (gguf.quants) ─► Q/K rows put back in Hugging Face order
 
 Layout: GGUF lists dimensions fastest first (``ne[0]`` is the row length), so
 a torch ``(out, in)`` weight appears as ``[in, out]``; the file's bytes are the
@@ -32,7 +33,7 @@ import numpy as np
 from mpexec.models.config import CheckpointError, ModelConfig
 from mpexec.models.loader.base import Checkpoint
 from mpexec.models.loader.gguf_header import TensorEntry, read_header
-from mpexec.models.loader.quants import ENCODINGS, Encoding, dequantize
+from mpexec.models.loader.quants import Encoding, dequantize, encoding_of, supported_names
 
 if TYPE_CHECKING:
     import torch
@@ -121,10 +122,12 @@ class GGUFCheckpoint(Checkpoint):
             name = hf_name(tensor.name)
             if name is None:
                 continue
-            encoding = ENCODINGS.get(tensor.ggml_type)
+            encoding = encoding_of(tensor.ggml_type)
             if encoding is None:
-                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} is not "
-                                      "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
+                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} "
+                                      f"({_type_name(tensor.ggml_type)}) cannot be dequantised "
+                                      f"by the installed gguf (supported: "
+                                      f"{', '.join(supported_names())})")
             shape = tuple(reversed(tensor.ne))
             if not shape or min(shape) <= 0:
                 raise CheckpointError(path, tensor.name, f"dimensions {list(tensor.ne)} are "
@@ -191,6 +194,15 @@ class GGUFCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self._data = None  # the memory map goes with the last reference
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return "unknown"
 
 
 def _unpermute(values: np.ndarray, head: int) -> np.ndarray:
