@@ -141,8 +141,12 @@ def write_tiny_gguf(
     qtype: str = "Q8_0",
     skip: tuple[str, ...] = (),
     metadata_changes: dict[str, Any] | None = None,
+    tokenizer: str = "gpt2",
 ) -> Path:
     """Write ``hf_dir`` (a tiny checkpoint) as a GGUF file at ``path``.
+
+    ``tokenizer="llama"`` stores a SentencePiece-style vocabulary of the same
+    size instead of the checkpoint's byte-level BPE (:func:`add_spm_tokenizer`).
 
     ``qtype`` (a ``gguf.GGMLQuantizationType`` name) is used for every 2-D
     weight whose rows are whole blocks; others and all 1-D tensors are F32.
@@ -179,7 +183,12 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
-    _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
+    if tokenizer == "llama":
+        settings = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        add_spm_tokenizer(writer, config["vocab_size"], add_bos=bool(settings["add_bos_token"]))
+        writer.add_chat_template(settings["chat_template"])
+    else:
+        _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
 
     gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
     quant = gguf.GGMLQuantizationType[qtype]
@@ -264,6 +273,49 @@ def _add_gguf_tokenizer(writer: Any, hf_dir: Path, vocab_size: int) -> None:
     writer.add_eos_token_id(IM_END)
     writer.add_add_bos_token(bool(settings.get("add_bos_token")))
     writer.add_chat_template(settings["chat_template"])
+
+
+def add_spm_tokenizer(writer: Any, vocab_size: int, *, add_bos: bool = True,
+                      add_eos: bool | None = None, space_tokens: bool = False) -> None:
+    """A SentencePiece-style vocabulary (``tokenizer.ggml.model = llama``) as GGUF metadata.
+
+    ids 0-3 are ``<s>``, ``</s>``, ``<|im_start|>``, ``<|im_end|>`` (control,
+    the same ids as the tiny checkpoint's tokenizer), 4 ``<unk>``, then the 256
+    byte-fallback tokens ``<0x00>``…``<0xFF>``, then pieces learned from the
+    fixed corpus with ``▁`` for a space, scored best first; no merges, as in
+    llama.cpp's files.  ``space_tokens`` adds tokens of two and three plain
+    spaces (how Gemma's files spell them).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = [*SPECIAL_TOKENS, "<unk>"]
+    extra = ["  ", "   "] if space_tokens else []
+    room = vocab_size - len(specials) - 256 - len(extra)
+    trainer_model = Tokenizer(models.BPE())
+    trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                           prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=room, show_progress=False)
+    trainer_model.train_from_iterator(_corpus(), trainer=trainer)
+    learned = sorted(trainer_model.get_vocab().items(), key=lambda item: item[1])
+    pieces = [token for token, _ in learned][:room]
+    pieces += [f"<unused{i}>" for i in range(room - len(pieces))]
+    tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces, *extra]
+    # 1 normal, 2 unknown, 3 control, 5 unused, 6 byte
+    types = [3, 3, 3, 3, 2] + [6] * 256 + [5 if p.startswith("<unused") else 1 for p in pieces]
+    types += [1] * len(extra)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))]
+    scores += [-1000.0] * len(extra)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(BOS)
+    writer.add_eos_token_id(IM_END)
+    writer.add_unk_token_id(4)
+    writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
 
 
 def _write_shards(directory: Path, tensors: dict[str, Any], shards: int, save_file: Any) -> None:
