@@ -58,17 +58,29 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Where a family's converter names a tensor differently (llama.cpp's tensor map).
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES,
+                      "post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                     "phi3": _PHI3_LAYER_NAMES}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name of a GGUF tensor (None: not a model weight)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    table = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if match and match.group(2) in table:
+        return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
     return None
 
 
@@ -95,7 +107,9 @@ class GGUFCheckpoint(Checkpoint):
         self._fields = header.fields
         self._infos: dict[str, _TensorInfo] = {}
         self._permuted_heads: dict[str, int] = {}
-        found = self._scan_tensors(path, header.tensors)
+        self._norm_shift = 0.0
+        arch = self._fields.get("general.architecture")
+        found = self._scan_tensors(path, header.tensors, str(arch))
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
         layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
@@ -110,16 +124,19 @@ class GGUFCheckpoint(Checkpoint):
                     for kind in ("weight", "bias"):
                         self._permuted_heads[f"model.layers.{layer}.self_attn.{proj}.{kind}"] \
                             = config.head_dim
+        # llama.cpp stores Gemma's norm weights as 1 + w (what multiplies); read gives w.
+        self._norm_shift = config.features.norm_offset
         self._check_tensors(found, {})
 
-    def _scan_tensors(self, path: Path, tensors: list[TensorEntry]) -> dict[str, tuple[int, ...]]:
+    def _scan_tensors(self, path: Path, tensors: list[TensorEntry],
+                      arch: str) -> dict[str, tuple[int, ...]]:
         file_size = len(self._data)
         found: dict[str, tuple[int, ...]] = {}
         for tensor in tensors:
             if tensor.name == "rope_freqs.weight":
                 raise CheckpointError(path, tensor.name, "per-dimension rope frequencies "
                                       "(llama3 rope scaling in GGUF) are not supported")
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, arch)
             if name is None:
                 continue
             encoding = encoding_of(tensor.ggml_type)
@@ -155,6 +172,8 @@ class GGUFCheckpoint(Checkpoint):
             values = self._read_block(info, 0, 1, 0, info.columns)[0]
             if head is not None:
                 values = _unpermute(values[:, None], head)[:, 0]
+            if self._norm_shift and name.endswith("norm.weight"):
+                values = values - np.float32(self._norm_shift)
             return torch.from_numpy(np.ascontiguousarray(values[start:stop]))
         if dim == 0:
             first, last = start, stop

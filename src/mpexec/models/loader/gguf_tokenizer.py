@@ -181,8 +181,15 @@ def _sentencepiece(fields: Mapping[str, Any], source: str | Path) -> tokenizers.
         tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: index for index, token in enumerate(tokens)}
     file_merges = fields.get("tokenizer.ggml.merges")
+    merges: list[tuple[str, str]]
     if isinstance(file_merges, list):
-        merges = [tuple(str(m).split(" ")) for m in file_merges]
+        merges = []
+        for index, merge in enumerate(file_merges):
+            left, _, right = str(merge).partition(" ")
+            if not right:
+                raise CheckpointError(source, "tokenizer.ggml.merges",
+                                      f"entry {index} ({merge!r}) is not a pair")
+            merges.append((left, right))
     else:
         if gemma:
             ranks: dict[str, float] = {token: -index for index, token in enumerate(tokens)}

@@ -1,0 +1,107 @@
+"""Qwen3, Gemma 2, Gemma 3 and Phi-3 against transformers on tiny random checkpoints.
+
+Each family is written by transformers at test time (``save_random_family``:
+7 layers, 9 query / 3 KV heads, odd sizes so TP=2 splits unevenly; Gemma
+with a sliding window of 6 tokens, so a 23-token prompt crosses it), then run
+by mpexec from the safetensors directory and from a GGUF file written the way
+llama.cpp's converter writes that family (``testing.write_family_gguf``),
+at TP=1 and TP=2: prefill logits, chunked prefill plus decode, and greedy
+tokens equal transformers' ``generate``.  Tolerances as in
+test_model_layers (float32, 1e-4 absolute).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tests.models.model_run_support import (  # noqa: E402
+    FAMILIES,
+    run_ranks,
+    save_random_family,
+)
+from tests.models.test_model_layers import ATOL, build, new_cache, run  # noqa: E402
+
+from mpexec.models.loader import open_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.torch
+IDS = torch.randint(3, 101, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+BLOCKS = [9, 2, 7, 4, 0, 5, 11, 3]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    name = request.param
+    directory = save_random_family(tmp_path_factory.mktemp(name) / "hf", name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager").eval()
+    return name, directory, oracle(model)
+
+
+def oracle(model: Any, steps: int = 8) -> tuple[Any, list[int]]:
+    """transformers' prompt logits and greedy continuation (plain argmax over
+    full forward passes: no generation config, no EOS handling)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS])).logits[0]
+        ids = list(IDS)
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return logits, ids[len(IDS):]
+
+
+def decode_run(stage: Any, steps: int) -> tuple[Any, list[int]]:
+    """Prefill in two chunks, then one decode step per token: logits of every
+    prompt row (chunks) and the greedy continuation."""
+    cache = new_cache(stage)
+    first = run(stage, cache, [(IDS[:10], BLOCKS, 0)])
+    second = run(stage, cache, [(IDS[10:], BLOCKS, 10)])
+    tokens: list[int] = []
+    last = second[-1]
+    for step in range(steps):
+        token = int(last.argmax())
+        tokens.append(token)
+        last = run(stage, cache, [([token], BLOCKS, len(IDS) + step)])[0]
+    return torch.cat([first, second]), tokens
+
+
+def test_prefill_logits_match_transformers(family: tuple[str, Path, Any]) -> None:
+    name, directory, (expected, _) = family
+    with open_checkpoint(directory) as checkpoint:
+        assert checkpoint.config.architecture == name.replace("_text", "")
+        stage = build(checkpoint)
+    got = run(stage, new_cache(stage), [(IDS, BLOCKS, 0)])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_chunks_decode_and_greedy_tokens_match_transformers(
+        family: tuple[str, Path, Any]) -> None:
+    _, directory, (expected, greedy) = family
+    with open_checkpoint(directory) as checkpoint:
+        stage = build(checkpoint)
+    logits, tokens = decode_run(stage, len(greedy))
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert tokens == greedy
+
+
+def test_tensor_parallel_2_matches_transformers(family: tuple[str, Path, Any]) -> None:
+    _, directory, (expected, greedy) = family
+
+    def rank(tp_rank: int, group: Any) -> Any:
+        with open_checkpoint(directory) as own:
+            stage = build(own, tp_rank, 2, group)
+        return decode_run(stage, len(greedy))
+
+    for logits, tokens in run_ranks(2, rank):
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        assert tokens == greedy
