@@ -105,3 +105,72 @@ def test_tensor_parallel_2_matches_transformers(family: tuple[str, Path, Any]) -
     for logits, tokens in run_ranks(2, rank):
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
         assert tokens == greedy
+
+
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
+    """Each family from a GGUF file written the way llama.cpp writes it, at TP=1
+    and TP=2.  GGUF has no query_pre_attn_scalar (llama.cpp scales Gemma by
+    1/sqrt(head_dim)) and Gemma 3's local rope base is 10,000: the checkpoints
+    here are made to agree."""
+    from mpexec.models.testing import write_family_gguf
+
+    agree: dict[str, dict[str, Any]] = {
+        "gemma2": {"query_pre_attn_scalar": 16},
+        "gemma3": {"query_pre_attn_scalar": 16, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}}
+    for name in FAMILIES:
+        directory = save_random_family(tmp_path / name, name, seed=2, **agree.get(name, {}))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation="eager").eval()
+        expected, greedy = oracle(model)
+        path = write_family_gguf(tmp_path / f"{name}.gguf", directory)
+        with open_checkpoint(path) as checkpoint, open_checkpoint(directory) as hf:
+            assert checkpoint.config.features == hf.config.features, name
+            stage = build(checkpoint)
+        logits, tokens = decode_run(stage, len(greedy))
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0, msg=name)
+        assert tokens == greedy, name
+
+        def rank(tp_rank: int, group: Any, path: Path = path, steps: int = len(greedy)) -> Any:
+            with open_checkpoint(path) as own:
+                return decode_run(build(own, tp_rank, 2, group), steps)
+
+        for logits, tokens in run_ranks(2, rank):
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0, msg=name)
+            assert tokens == greedy, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gemma3_270m_q4_k_m_matches_transformers() -> None:
+    """The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors) against
+    transformers loading the same file: prompt logits and 8 greedy tokens."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from mpexec.models import fetch
+
+    path = fetch.cached_model("gemma3-270m")
+    if path is None:
+        pytest.skip("gemma3-270m is not in the cache (resolve_model('gemma3-270m') fetches it)")
+    with open_checkpoint(path) as checkpoint:
+        ids = checkpoint.tokenizer().encode("The capital of France is")
+        stage = build(checkpoint)
+    cache = new_cache(stage, blocks=16)
+    logits = run(stage, cache, [(ids, list(range(16)), 0)])
+    tokens, last = [], logits[-1]
+    for step in range(8):
+        tokens.append(int(last.argmax()))
+        last = run(stage, cache, [(tokens[-1:], list(range(16)), len(ids) + step)])[0]
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    except (ValueError, NotImplementedError) as e:  # an older transformers without gemma3 GGUF
+        pytest.skip(f"transformers cannot load gemma3 from GGUF: {e}")
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+        sequence = list(ids)
+        for _ in range(8):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert tokens == sequence[len(ids):]
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)

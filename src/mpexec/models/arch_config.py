@@ -134,8 +134,8 @@ def features_from_hf(raw: Mapping[str, Any], arch: str, source: str | Path,
 def features_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path,
                        layers: int, head_dim: int) -> ArchFeatures:
     """The features from GGUF metadata, as llama.cpp reads them: Gemma's
-    attention scale is ``1/√head_dim`` and Gemma 3's sliding layers rotate
-    with base 10,000 (neither is stored in the file)."""
+    attention scale is ``1/√head_dim`` (not stored in the file) and Gemma 3's
+    sliding layers rotate with ``<arch>.rope.freq_base_swa``, else 10,000."""
     if arch == "qwen3":
         return ArchFeatures(qk_norm=True)
     if arch == "phi3":
@@ -152,4 +152,5 @@ def features_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path,
         sliding_window=window,
         sliding_layers=_gemma_sliding_layers(arch, layers, None, source, window_key)
         if window else (),
-        local_rope_theta=10000.0 if arch == "gemma3" else None)
+        local_rope_theta=(_number(fields, f"{arch}.rope.freq_base_swa", source) or 10000.0)
+        if arch == "gemma3" else None)

@@ -238,6 +238,72 @@ def _quantize(values: Any, quant: Any, rng: Any) -> Any:
     return raw
 
 
+def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32") -> Path:
+    """Write a transformers-saved Qwen3, Gemma 2/3 or Phi-3 directory as GGUF,
+    the way llama.cpp's converter writes that family: its tensor names (Phi-3's
+    fused ``attn_qkv`` / ``ffn_up``), Gemma's norm weights stored as ``1 + w``,
+    the ``<arch>.*`` keys (Gemma's window and soft-caps).  No tokenizer: for
+    weight and output tests.  Gemma's attention scale in GGUF is ``1/√head_dim``
+    and Gemma 3's local rope base 10,000, whatever config.json said.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from mpexec.models.loader.gguf_file import hf_name
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    parsed = ModelConfig.from_hf_dir(hf_dir)
+    arch = parsed.architecture
+    tensors: dict[str, Any] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    ints = {"context_length": parsed.max_position_embeddings,
+            "embedding_length": parsed.hidden_size, "block_count": parsed.num_hidden_layers,
+            "feed_forward_length": parsed.intermediate_size,
+            "attention.head_count": parsed.num_attention_heads,
+            "attention.head_count_kv": parsed.num_key_value_heads,
+            "attention.key_length": parsed.head_dim, "attention.value_length": parsed.head_dim,
+            "vocab_size": parsed.vocab_size}
+    features = parsed.features
+    if features.sliding_window:
+        ints["attention.sliding_window"] = features.sliding_window
+    for key, value in ints.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", parsed.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", parsed.rope_theta)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(features, key) is not None:
+            writer.add_float32(f"{arch}.{key}", getattr(features, key))
+    names = [f"blk.{layer}.{part}" for layer in range(parsed.num_hidden_layers) for part in (
+        "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
+        "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight",
+        "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight",
+        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+    names += ["token_embd.weight", "output_norm.weight", "output.weight"]
+    gguf_names = {hf_name(n, arch): n for n in names}
+    quant = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.Generator(np.random.PCG64(1))
+    for hf, values in tensors.items():
+        name = gguf_names.get(hf)
+        if name is None:
+            continue  # lm_head of a tied checkpoint
+        values = values.astype(np.float32)
+        if features.norm_offset and name.endswith("norm.weight"):
+            values = values + np.float32(features.norm_offset)
+        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
+        if values.ndim == 2 and qtype != "F32" and whole_blocks:
+            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _gguf_name_table(layers: int) -> dict[str, str]:
     from mpexec.models.loader.gguf_file import hf_name
 
