@@ -174,3 +174,65 @@ def test_gemma3_270m_q4_k_m_matches_transformers() -> None:
             sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
     assert tokens == sequence[len(ids):]
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+
+
+def test_llama3_rope_freqs_tensor_in_gguf_matches_transformers(tmp_path: Path) -> None:
+    """Llama 3.1+ GGUFs carry the rope scaling as a ``rope_freqs`` tensor (one
+    factor per frequency); the model divides by it, and matches transformers on
+    the safetensors checkpoint with ``rope_type: llama3``."""
+    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    directory = write_tiny_checkpoint(tmp_path / "hf", num_hidden_layers=2,
+                                      rope_theta=500000.0, rope_scaling=scaling)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                              dtype=torch.float32).eval()
+    expected, greedy = oracle(model)
+    path = write_tiny_gguf(tmp_path / "l31.gguf", directory, qtype="F32")
+    with open_checkpoint(path) as checkpoint:
+        factors = checkpoint.config.features.rope_freq_factors
+        assert checkpoint.config.rope_scaling is None and factors is not None
+        assert len(factors) == 8 and factors[0] == 1.0 and factors[-1] == 8.0
+        stage = build(checkpoint)
+    logits, tokens = decode_run(stage, len(greedy))
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert tokens == greedy
+
+
+@pytest.mark.parametrize(("family", "change", "field"), [
+    ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("gemma3", {"layer_types": ["sliding_attention"]}, "layer_types"),
+    ("gemma3", {"query_pre_attn_scalar": -1}, "query_pre_attn_scalar"),
+    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                               "long_factor": [1.0] * 4}}, "rope_scaling"),
+])
+def test_unsupported_family_options_name_the_field_and_the_file(
+        family: str, change: dict[str, Any], field: str) -> None:
+    from mpexec.models.config import CheckpointError, ModelConfig
+
+    raw = {"model_type": {"gemma3": "gemma3_text"}.get(family, family), "hidden_size": 64,
+           "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
+           "vocab_size": 300, "max_position_embeddings": 128, "sliding_window": 8, **change}
+    with pytest.raises(CheckpointError, match=rf"^here/config\.json: {field}"):
+        ModelConfig.from_hf_dict(raw, source="here/config.json")
+
+
+def test_unsupported_gguf_options_name_the_field_and_the_file() -> None:
+    from mpexec.models.config import CheckpointError, ModelConfig
+
+    fields = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
+              "gemma3.attention.head_count": 4, "gemma3.block_count": 6,
+              "gemma3.feed_forward_length": 96, "gemma3.context_length": 128,
+              "gemma3.vocab_size": 300, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+              "gemma3.attention.sliding_window": 8,
+              "gemma3.attention.sliding_window_pattern": 3}
+    with pytest.raises(CheckpointError, match=r"m\.gguf: gemma3\.attention\.sliding_window_"):
+        ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)
+    fields["gemma3.attention.sliding_window_pattern"] = 6
+    assert ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False
+                                        ).features.sliding_layers == (0, 1, 2, 3, 4)
+    fields["general.architecture"] = "falcon"
+    with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture: 'falcon'"):
+        ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)

@@ -16,6 +16,8 @@ default object and the model's code paths for them are unchanged.
               rotate with their own base (local_rope_theta, default 10,000)
     Phi-3     the Llama decoder; its checkpoints fuse q/k/v and gate/up into
               one tensor each, which the loader splits (fused_qkv)
+    Llama 3.1+ in GGUF: the rope scaling is a tensor, ``rope_freqs``, one
+              factor per frequency (rope_freq_factors, set by the GGUF loader)
 
 Read from config.json (:func:`features_from_hf`) or from GGUF metadata
 (:func:`features_from_gguf`, the keys llama.cpp's converter writes).
@@ -56,6 +58,8 @@ class ArchFeatures:
     sliding_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # None: the sliding layers use rope_theta
     fused_qkv: bool = False
+    # GGUF's rope_freqs tensor (Llama 3.1+): plain inverse frequencies divided by these
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: it attends to the whole context)."""
@@ -144,13 +148,20 @@ def features_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path,
         return ArchFeatures()
     window_key = f"{arch}.attention.sliding_window"
     window = _window(fields, window_key, source)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = fields.get(pattern_key)
+    default = _gemma_sliding_layers(arch, layers, None, source, window_key)
+    if pattern is not None and pattern != (2 if arch == "gemma2" else 6) and not (
+            isinstance(pattern, list) and len(pattern) == layers
+            and tuple(i for i, p in enumerate(pattern) if p) == default):
+        raise CheckpointError(source, pattern_key, f"{pattern!r}: only the family's own "
+                              "pattern of sliding and global layers is supported")
     return ArchFeatures(
         qk_norm=arch == "gemma3", activation="gelu_tanh", norm_offset=1.0,
         embedding_scale=True, sandwich_norms=True, attention_scale=float(head_dim) ** -0.5,
         attn_logit_softcapping=_number(fields, f"{arch}.attn_logit_softcapping", source),
         final_logit_softcapping=_number(fields, f"{arch}.final_logit_softcapping", source),
         sliding_window=window,
-        sliding_layers=_gemma_sliding_layers(arch, layers, None, source, window_key)
-        if window else (),
+        sliding_layers=default if window else (),
         local_rope_theta=(_number(fields, f"{arch}.rope.freq_base_swa", source) or 10000.0)
         if arch == "gemma3" else None)

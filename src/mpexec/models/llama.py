@@ -224,7 +224,8 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
     rotary = RotaryEmbedding(head_dim=head_dim, rope_theta=config.rope_theta,
                              rope_scaling=config.rope_scaling,
                              max_position_embeddings=config.max_position_embeddings,
-                             max_positions=max_positions, dtype=dtype, device=device)
+                             max_positions=max_positions, dtype=dtype, device=device,
+                             freq_factors=features.rope_freq_factors)
     rotaries = [rotary]
     if features.sliding_layers and features.local_rope_theta is not None:
         rotaries.append(RotaryEmbedding(  # Gemma 3's sliding layers: own base, no scaling

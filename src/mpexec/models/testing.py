@@ -183,6 +183,11 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # as llama.cpp's converter: a factor per rotary frequency, no scaling keys
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, config["rope_theta"],
+                                                                scaling))
     if tokenizer == "llama":
         settings = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
         add_spm_tokenizer(writer, config["vocab_size"], add_bos=bool(settings["add_bos_token"]))
@@ -213,6 +218,27 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> Any:
+    """Llama 3.1's rope scaling as the factors that divide each inverse frequency."""
+    import math
+
+    import numpy as np
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _quantize(values: Any, quant: Any, rng: Any) -> Any:

@@ -23,6 +23,7 @@ the shape the metadata implies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -108,10 +109,13 @@ class GGUFCheckpoint(Checkpoint):
         self._infos: dict[str, _TensorInfo] = {}
         self._permuted_heads: dict[str, int] = {}
         self._norm_shift = 0.0
+        self._rope_freqs: TensorEntry | None = None
         arch = self._fields.get("general.architecture")
         found = self._scan_tensors(path, header.tensors, str(arch))
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
+        if self._rope_freqs is not None:
+            config = self._with_rope_freqs(path, config, self._rope_freqs)
         layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
         if config.num_hidden_layers != len(layers):
             raise CheckpointError(path, f"{config.architecture}.block_count",
@@ -128,14 +132,36 @@ class GGUFCheckpoint(Checkpoint):
         self._norm_shift = config.features.norm_offset
         self._check_tensors(found, {})
 
+    def _with_rope_freqs(self, path: Path, config: ModelConfig,
+                         tensor: TensorEntry) -> ModelConfig:
+        """Llama 3.1's rope scaling as llama.cpp stores it: a float32 factor per
+        rotary frequency, which divides that frequency."""
+        name, half = tensor.name, config.head_dim // 2
+        if config.rope_scaling is not None:
+            raise CheckpointError(path, name, "rope frequency factors together with "
+                                  f"{config.architecture}.rope.scaling.type: not supported")
+        if tensor.ggml_type != 0 or tuple(tensor.ne) != (half,):
+            raise CheckpointError(path, name, f"expected {half} float32 factors (head size "
+                                  f"{config.head_dim}), got type {tensor.ggml_type}, "
+                                  f"dimensions {list(tensor.ne)}")
+        if tensor.offset + 4 * half > len(self._data):
+            raise CheckpointError(path, name, "tensor data runs past the end of the file: "
+                                  "the file is truncated")
+        factors = np.frombuffer(self._data, dtype="<f4", count=half, offset=tensor.offset)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise CheckpointError(path, name, "factors must be positive and finite")
+        features = dataclasses.replace(config.features,
+                                       rope_freq_factors=tuple(float(f) for f in factors))
+        return dataclasses.replace(config, features=features)
+
     def _scan_tensors(self, path: Path, tensors: list[TensorEntry],
                       arch: str) -> dict[str, tuple[int, ...]]:
         file_size = len(self._data)
         found: dict[str, tuple[int, ...]] = {}
         for tensor in tensors:
             if tensor.name == "rope_freqs.weight":
-                raise CheckpointError(path, tensor.name, "per-dimension rope frequencies "
-                                      "(llama3 rope scaling in GGUF) are not supported")
+                self._rope_freqs = tensor
+                continue
             name = hf_name(tensor.name, arch)
             if name is None:
                 continue
