@@ -236,3 +236,50 @@ def test_unsupported_gguf_options_name_the_field_and_the_file() -> None:
     fields["general.architecture"] = "falcon"
     with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture: 'falcon'"):
         ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)
+
+
+WORKER_PROMPTS = {f"r{i}": torch.randint(3, 101, (4 + 5 * i,),
+                                         generator=torch.Generator().manual_seed(5 + i)).tolist()
+                  for i in range(3)}
+
+
+@pytest.fixture(scope="module")
+def gemma_oracles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Gemma 2 and 3 checkpoints and, per prompt, transformers' 9 greedy tokens and the
+    logits they were chosen from (computed before any leak check starts)."""
+    out = {}
+    for name in ("gemma2", "gemma3"):
+        directory = save_random_family(tmp_path_factory.mktemp(name) / "hf", name, seed=3)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation="eager").eval()
+        expected = {}
+        with torch.no_grad():
+            for rid, prompt in WORKER_PROMPTS.items():
+                ids = list(prompt)
+                for _ in range(9):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+                logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+                expected[rid] = (ids[len(prompt):], logits)
+        out[name] = (directory, expected)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_batched_through_worker_processes_at_tp2(gemma_oracles: dict[str, Any], name: str,
+                                                       leak_check: None) -> None:
+    """Requests of different lengths decoded together (padded batches, each
+    request's own window) by two ModelWorker processes: greedy tokens and the
+    sampled logits equal transformers' for each request alone."""
+    from tests.models.model_run_driver import StepDriver, make_executor
+
+    from mpexec.outputs import SamplingParams
+
+    directory, expected = gemma_oracles[name]
+    with make_executor(directory, tp=2) as executor:
+        runs = StepDriver(executor, fetch_logits=True, chunk=5).generate(
+            {rid: (p, SamplingParams(temperature=0, max_tokens=9))
+             for rid, p in WORKER_PROMPTS.items()})
+    for rid, (tokens, logits) in expected.items():
+        assert runs[rid].output == tokens, rid
+        torch.testing.assert_close(torch.stack(runs[rid].logits), logits, atol=ATOL, rtol=0)
