@@ -283,3 +283,29 @@ def test_gemma_batched_through_worker_processes_at_tp2(gemma_oracles: dict[str, 
     for rid, (tokens, logits) in expected.items():
         assert runs[rid].output == tokens, rid
         torch.testing.assert_close(torch.stack(runs[rid].logits), logits, atol=ATOL, rtol=0)
+
+
+def test_decode_context_parallelism_refuses_windows_and_soft_caps(
+        family: tuple[str, Path, Any]) -> None:
+    from mpexec.models.layers.parallel import SingleRankGroup
+    from mpexec.models.llama import load_stage
+    from mpexec.models.sharding import rank_share
+
+    name, directory, _ = family
+    with open_checkpoint(directory) as checkpoint:
+        c = checkpoint.config
+        share = rank_share(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                           intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                           layers=(0, c.num_hidden_layers), tp_rank=0, tp_size=1)
+
+        def load() -> Any:
+            return load_stage(checkpoint, c, share, is_first=True, is_last=True,
+                              tp_group=SingleRankGroup(), dtype=torch.float32,
+                              device=torch.device("cpu"), max_positions=64,
+                              dcp_group=SingleRankGroup(), dcp_head_counts=[9])
+
+        if name.startswith("gemma"):
+            with pytest.raises(ValueError, match=r"decode context parallelism.*sliding_window"):
+                load()
+        else:
+            assert load().layers
