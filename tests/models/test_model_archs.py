@@ -265,21 +265,27 @@ def gemma_oracles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_batched_through_worker_processes_at_tp2(gemma_oracles: dict[str, Any], name: str,
-                                                       leak_check: None) -> None:
+@pytest.mark.parametrize(("name", "layout"), [("gemma2", "tp2"), ("gemma3", "tp2"),
+                                              ("gemma3", "pcp2")])
+def test_gemma_batched_through_worker_processes(gemma_oracles: dict[str, Any], name: str,
+                                                layout: str, leak_check: None) -> None:
     """Requests of different lengths decoded together (padded batches, each
-    request's own window) by two ModelWorker processes: greedy tokens and the
-    sampled logits equal transformers' for each request alone."""
+    request's own window) by two ModelWorker processes, at TP=2 (prompts in
+    chunks of 5) or PCP=2 (whole prompts, their rows split over the two ranks):
+    greedy tokens and the sampled logits equal transformers' for each request alone."""
     from tests.models.model_run_driver import StepDriver, make_executor
 
     from mpexec.outputs import SamplingParams
 
     directory, expected = gemma_oracles[name]
-    with make_executor(directory, tp=2) as executor:
-        runs = StepDriver(executor, fetch_logits=True, chunk=5).generate(
+    parallel = {"tp2": {"tp": 2}, "pcp2": {"pcp": 2}}[layout]
+    with make_executor(directory, **parallel) as executor:
+        runs = StepDriver(executor, fetch_logits=True,
+                          chunk=5 if layout == "tp2" else None).generate(
             {rid: (p, SamplingParams(temperature=0, max_tokens=9))
              for rid, p in WORKER_PROMPTS.items()})
+        if layout == "pcp2":  # the prefill was really split
+            assert min(executor.collective_rpc(lambda w: w.worker.pcp_split_steps)) > 0
     for rid, (tokens, logits) in expected.items():
         assert runs[rid].output == tokens, rid
         torch.testing.assert_close(torch.stack(runs[rid].logits), logits, atol=ATOL, rtol=0)
