@@ -231,8 +231,16 @@ def test_unsupported_gguf_options_name_the_field_and_the_file() -> None:
     with pytest.raises(CheckpointError, match=r"m\.gguf: gemma3\.attention\.sliding_window_"):
         ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)
     fields["gemma3.attention.sliding_window_pattern"] = 6
-    assert ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False
-                                        ).features.sliding_layers == (0, 1, 2, 3, 4)
+    features = ModelConfig.from_gguf_fields(fields, source="m.gguf",
+                                            has_output_tensor=False).features
+    assert features.sliding_layers == (0, 1, 2, 3, 4)
+    assert features.attention_scale == 16 ** -0.5  # 1/sqrt(head_dim)
+    big = {**fields, "gemma3.block_count": 62, "gemma3.attention.key_length": 32,
+           "gemma3.attention.value_length": 32}
+    del big["gemma3.attention.sliding_window_pattern"]
+    # llama.cpp's rule for the 27B models: 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
+    assert ModelConfig.from_gguf_fields(big, source="m.gguf", has_output_tensor=False
+                                        ).features.attention_scale == 16 ** -0.5
     fields["general.architecture"] = "falcon"
     with pytest.raises(CheckpointError, match=r"m\.gguf: general\.architecture: 'falcon'"):
         ModelConfig.from_gguf_fields(fields, source="m.gguf", has_output_tensor=False)

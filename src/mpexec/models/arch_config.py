@@ -135,10 +135,26 @@ def features_from_hf(raw: Mapping[str, Any], arch: str, source: str | Path,
         sliding_window=window, sliding_layers=sliding_layers, local_rope_theta=local_theta)
 
 
+# llama.cpp's rule for the 27B models (46 layers in Gemma 2, 62 in Gemma 3), whose
+# query_pre_attn_scalar is hidden / heads rather than the head size
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_gemma_scale(fields: Mapping[str, Any], arch: str, layers: int,
+                      head_dim: int) -> float:
+    hidden = fields.get(f"{arch}.embedding_length")
+    heads = fields.get(f"{arch}.attention.head_count")
+    if (layers == _GEMMA_27B_LAYERS.get(arch) and isinstance(hidden, int)
+            and isinstance(heads, int) and heads > 0):
+        return float(hidden // heads) ** -0.5
+    return float(head_dim) ** -0.5
+
+
 def features_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path,
                        layers: int, head_dim: int) -> ArchFeatures:
     """The features from GGUF metadata, as llama.cpp reads them: Gemma's
-    attention scale is ``1/√head_dim`` (not stored in the file) and Gemma 3's
+    attention scale is ``1/√head_dim``, for the 27B models ``1/√(hidden/heads)``
+    (the file does not store it), and Gemma 3's
     sliding layers rotate with ``<arch>.rope.freq_base_swa``, else 10,000."""
     if arch == "qwen3":
         return ArchFeatures(qk_norm=True)
@@ -158,7 +174,8 @@ def features_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path,
                               "pattern of sliding and global layers is supported")
     return ArchFeatures(
         qk_norm=arch == "gemma3", activation="gelu_tanh", norm_offset=1.0,
-        embedding_scale=True, sandwich_norms=True, attention_scale=float(head_dim) ** -0.5,
+        embedding_scale=True, sandwich_norms=True,
+        attention_scale=_gguf_gemma_scale(fields, arch, layers, head_dim),
         attn_logit_softcapping=_number(fields, f"{arch}.attn_logit_softcapping", source),
         final_logit_softcapping=_number(fields, f"{arch}.final_logit_softcapping", source),
         sliding_window=window,
