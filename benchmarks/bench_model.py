@@ -1,6 +1,6 @@
-"""Model benchmarks: the ModelWorker on SmolLM2 beside transformers, one table.
+"""Model benchmarks: the ModelWorker on a GGUF model beside transformers, one table.
 
-    python benchmarks/bench_model.py [--model default] [--steps 24] [--threads 1]
+    python benchmarks/bench_model.py [--model default|gemma3-270m|PATH] [--steps 24] [--threads 1]
                                      [--dtypes float32,bfloat16] [--layouts tp1,tp2,pp2]
                                      [--profile]
 
@@ -9,6 +9,9 @@ worker process per rank with ``--threads`` intra-op threads each) and for
 transformers (``generate`` on the same GGUF, same dtype, same threads, in
 this process), in the same run:
 
+- load time: for mpexec, starting the executor until its KV cache is up and
+  warmed (processes, checkpoint, weights); for transformers, ``from_pretrained``
+  of the GGUF (float32);
 - decode tokens/s at batch 1 and 16 (64-token prompts; the median step: for
   transformers, between consecutive calls of a logits processor in generate);
 - prefill tokens/s of one 512-token prompt;
@@ -333,7 +336,9 @@ def main() -> None:
     rows: list[list[Any]] = []
     extras: list[list[Any]] = []
     profiles: list[list[Any]] = []
+    started = time.perf_counter()
     reference = Reference(model, args.threads)
+    reference_load = time.perf_counter() - started
     measured: dict[tuple[str, str], dict[str, float]] = {}
     for dtype in dtypes:
         reference.to(dtype)
@@ -341,13 +346,16 @@ def main() -> None:
                "b16": reference.decode_rate(16, args.steps),
                "prefill": reference.prefill_rate()}
         bytes_per_token = reference.weight_bytes * (2 if dtype != "float32" else 4) // 4
-        rows.append([f"transformers {dtype}", f"{ref['b1']:.1f}", f"{ref['b16']:.1f}",
+        rows.append([f"transformers {dtype}", f"{reference_load:.1f}", f"{ref['b1']:.1f}",
+                     f"{ref['b16']:.1f}",
                      f"{ref['prefill']:.0f}", "1.00x",
                      f"{bytes_per_token * ref['b1'] / 1e9:.2f}", "-"])
         progress(rows[-1])
         for layout in layouts:
             tp, pp = LAYOUTS[layout]
+            started = time.perf_counter()
             ours = OurModel(model, tp, pp, dtype, args.threads)
+            load = time.perf_counter() - started
             try:
                 b1, share1 = ours.decode(1, args.steps)
                 b16, share16 = ours.decode(16, args.steps)
@@ -362,16 +370,17 @@ def main() -> None:
             measured[(dtype, layout)] = {"b1": b1, "b16": b16}
             # batch-1 decode reads each rank's weights once per token; ranks read in
             # parallel (TP) or in turn (PP), so the total is what moves per second
-            rows.append([f"mpexec {layout} {dtype}", f"{b1:.1f}", f"{b16:.1f}", f"{prefill:.0f}",
+            rows.append([f"mpexec {layout} {dtype}", f"{load:.1f}", f"{b1:.1f}", f"{b16:.1f}",
+                         f"{prefill:.0f}",
                          f"{b1 / ref['b1']:.2f}x", f"{sum(weights) * b1 / 1e9:.2f}",
                          f"{100 * share1:.2f}% / {100 * share16:.2f}%"])
             extras.append([f"{layout} {dtype}", " ".join(f"{r / 2**20:.0f}" for r in rss),
                            " ".join(f"{w / 2**20:.0f}" for w in weights)])
             progress(rows[-1] + extras[-1][1:])
-    print(render(f"SmolLM2-135M decode/prefill, {args.threads} intra-op thread(s) per process "
+    print(render(f"{model.name} decode/prefill, {args.threads} intra-op thread(s) per process "
                  f"(streaming read: {bandwidth[1] / 1e9:.1f} GB/s on 1 thread, "
                  f"{bandwidth[2] / 1e9:.1f} GB/s on 2)",
-                 ["engine", "decode b=1 tok/s", "decode b=16 tok/s", "prefill 512 tok/s",
+                 ["engine", "load s", "decode b=1 tok/s", "decode b=16 tok/s", "prefill 512 tok/s",
                   "b=1 vs transformers", "weights GB/s at b=1", "executor share b=1 / b=16"],
                  rows))
     print()

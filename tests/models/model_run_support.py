@@ -93,3 +93,44 @@ def run_ranks(size: int, fn: Any) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+FAMILIES = {
+    # family: (config class, model class, shape overrides)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
+                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "eos_token_id": 2}),
+}
+
+
+def save_random_family(directory: Path, family: str, *, seed: int = 0,
+                       **overrides: Any) -> Path:
+    """A random-weight transformers model of ``family`` (``FAMILIES``) saved as
+    safetensors.  Weights are drawn wider than transformers' init (std 0.1) and
+    every norm weight is jittered, so a misplaced norm, offset or scale shows."""
+    import transformers
+
+    config_name, model_name, family_shape = FAMILIES[family]
+    shape: dict[str, Any] = dict(
+        vocab_size=101, hidden_size=72, intermediate_size=77, num_hidden_layers=7,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=family.startswith("gemma"),
+        initializer_range=0.1, bos_token_id=1)
+    shape.update(family_shape)
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**shape)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return directory

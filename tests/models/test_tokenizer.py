@@ -203,3 +203,98 @@ assert "torch" not in sys.modules
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and lines[0] == lines[1]
+
+
+# ── SentencePiece-style vocabularies in GGUF (tokenizer.ggml.model = llama) ──
+
+SPM_EXTRA = ["<0x41>", "▁hello", "hello▁", "tab\there", " x", "  x", "x  ", "   ",
+             "\u2581", "ab\u2581cd", "<unk>", "<|im_start|>user\nhi<|im_end|>"]
+
+
+def write_spm_gguf(path: Path, arch: str, **flags: bool) -> Path:
+    import gguf
+
+    from mpexec.models.testing import add_spm_tokenizer
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_spm_tokenizer(writer, 389, space_tokens=arch.startswith("gemma"), **flags)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("arch", "flags"), [
+    ("llama", {"add_bos": True}), ("llama", {"add_bos": False, "add_eos": True}),
+    ("gemma3", {"add_bos": True}), ("gemma2", {"add_bos": False}),
+    ("phi3", {"add_bos": True, "add_eos": False}),
+])
+def test_sentencepiece_gguf_matches_transformers(tmp_path: Path, arch: str,
+                                                 flags: dict[str, bool]) -> None:
+    transformers = import_oracle()
+    pytest.importorskip("gguf")
+    from mpexec.models.loader.gguf_header import read_header
+    from mpexec.models.loader.gguf_tokenizer import build_backend
+
+    path = write_spm_gguf(tmp_path / "spm.gguf", arch, **flags)
+    mine = build_backend(read_header(path).fields, path)
+    oracle = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    fallback = 0
+    for text in [*sample_strings(300, seed=3), *SPM_EXTRA]:
+        ids = mine.encode(text).ids
+        assert ids == oracle.encode(text), repr(text)
+        fallback += sum(5 <= i < 5 + 256 for i in ids)
+        for skip in (True, False):
+            assert (mine.decode(ids, skip_special_tokens=skip)
+                    == oracle.decode(ids, skip_special_tokens=skip)), repr(text)
+    assert fallback > 100  # the unicode strings went through <0xNN> byte tokens
+    assert (mine.encode("hi").ids[0] == 0) is flags["add_bos"]
+    assert (mine.encode("hi").ids[-1] == 3) is bool(flags.get("add_eos"))
+
+
+@pytest.mark.torch
+def test_sentencepiece_gguf_checkpoint_tokenizer(tmp_path: Path) -> None:
+    transformers = import_oracle()
+    pytest.importorskip("gguf")
+    directory = write_tiny_checkpoint(tmp_path / "t", hidden_size=288, intermediate_size=224,
+                                      num_hidden_layers=1, add_bos_token=True)
+    path = write_tiny_gguf(tmp_path / "t.gguf", directory, tokenizer="llama")
+    mine = open_checkpoint(path).tokenizer()
+    oracle = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    check_against(mine, oracle, sample_strings(200, seed=4))
+    text = "naïve 日本語 😀🎉 done"
+    ids = mine.encode(text)
+    assert any(5 <= i < 261 for i in ids)  # byte fallback
+    decoder = IncrementalDecoder(mine)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.timeout(900)
+def test_gemma3_270m_matches_transformers() -> None:
+    """Gemma 3's 262,144-token SentencePiece vocabulary, from the real GGUF."""
+    transformers = import_oracle()
+    pytest.importorskip("gguf")
+    from mpexec.models import fetch
+
+    path = fetch.cached_model("gemma3-270m")
+    if path is None:
+        pytest.skip("gemma3-270m is not in the cache (resolve_model('gemma3-270m') fetches it)")
+    from mpexec.models.loader.gguf_header import read_header
+    from mpexec.models.loader.gguf_tokenizer import build_backend
+
+    mine = build_backend(read_header(path).fields, path)
+    oracle = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    strings = [*sample_strings(400, seed=2), " leading", "  two", "a  b   c",
+               "<start_of_turn>user\nhi<end_of_turn>\n"]
+    for text in strings:
+        ids = mine.encode(text).ids
+        assert ids == oracle.encode(text), repr(text)
+        for skip in (True, False):
+            assert (mine.decode(ids, skip_special_tokens=skip)
+                    == oracle.decode(ids, skip_special_tokens=skip)), repr(text)
+    assert mine.encode("Hi").ids[0] == 2  # <bos>

@@ -14,11 +14,13 @@ from mpexec.cli import UsageError
 
 def check_model(model: str) -> None:
     """A path that does not exist is a mistake worth one line, before anything starts."""
-    if model == "default":
+    from mpexec.models.fetch import NAMED_MODELS
+
+    if model in NAMED_MODELS:
         return
     if not Path(model).expanduser().exists():
         raise UsageError(f"no such model: {model} (give a checkpoint directory, "
-                         "a .gguf file, or 'default')")
+                         f"a .gguf file, or a named model: {', '.join(NAMED_MODELS)})")
 
 
 def check_is_model(model: str) -> None:

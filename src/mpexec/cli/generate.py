@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mpexec.cli import _positive_int
 
     parser.add_argument("--model", default="default",
-                        help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
+                        help="checkpoint directory, .gguf file, or a named model: 'default' "
+                        "(SmolLM2-135M), 'gemma3-270m'")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (1)")
     parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (1)")
     parser.add_argument("--prompt", action="append", default=[],

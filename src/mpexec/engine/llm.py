@@ -155,9 +155,9 @@ class LLM:
             self.vocab_size = _check_model_len(path, max_model_len)
             if num_threads is None and device_type == "cpu":
                 num_threads = max(1, cpus // world)
-            # Follower nodes open the checkpoint at the same path; "default"
-            # travels as it is, so each node fetches (or finds) its own copy.
-            spec = "default" if nnodes > 1 and str(model) == "default" else str(path)
+            # Follower nodes open the checkpoint at the same path; a named model
+            # ("default", …) travels as it is, so each node fetches (or finds) its own copy.
+            spec = str(model) if nnodes > 1 and _is_named_model(str(model)) else str(path)
             kwargs: dict[str, Any] = {
                 "model": spec, "dtype": dtype, "block_size": block_size,
                 "max_model_len": max_model_len,  # None: the checkpoint's
@@ -444,6 +444,12 @@ def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: i
 
     return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
                                       world_size=world_size).to_dict()
+
+
+def _is_named_model(model: str) -> bool:
+    import importlib
+
+    return model in importlib.import_module("mpexec.models.fetch").NAMED_MODELS
 
 
 def _resolve(model: str | os.PathLike[str]) -> Any:

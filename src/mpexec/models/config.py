@@ -27,16 +27,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpexec.models import arch_config
+from mpexec.models.arch_config import ArchFeatures
 from mpexec.models.errors import CheckpointError
 from mpexec.models.rope_scaling import normalize_rope_scaling
 
 # model_type of config.json ─► the architecture name the model uses.
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                   **arch_config.HF_MODEL_TYPES}
+_HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                     *arch_config.HF_ARCHITECTURES}
+_GGUF_ARCHITECTURES = ("llama", "qwen2", *arch_config.GGUF_ARCHITECTURES)
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MAX_LAYERS = 4096
 
@@ -45,7 +50,9 @@ MAX_LAYERS = 4096
 class ModelConfig:
     """What the model needs to build itself; see the module docstring."""
 
-    architecture: str  # "llama" (Llama, Mistral, SmolLM) or "qwen2" (q/k/v biases)
+    # "llama" (Llama, Mistral, SmolLM), "qwen2" (q/k/v biases), "qwen3", "gemma2",
+    # "gemma3", "phi3" (see arch_config)
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +69,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
+    # Qwen3 / Gemma / Phi-3 departures from the Llama decoder (arch_config)
+    features: ArchFeatures = field(default_factory=ArchFeatures)
 
     # ── from a Hugging Face directory ────────────────────────────────────
 
@@ -111,7 +120,8 @@ class ModelConfig:
         num_kv_heads = field.get("num_key_value_heads", int, default=num_heads)
         head_dim = field.get("head_dim", int, default=None)
         max_pos = field.get("max_position_embeddings", int)
-        _check_sliding_window(raw, source, model_type, max_pos)
+        if architecture not in arch_config.GEMMA:  # Gemma's windows are per layer
+            _check_sliding_window(raw, source, model_type, max_pos)
 
         if architecture == "qwen2":
             attention_bias = True
@@ -127,6 +137,8 @@ class ModelConfig:
         # transformers 5 writes rope_parameters; older files rope_theta + rope_scaling.
         rope_parameters = raw.get("rope_parameters")
         rope_theta = field.get("rope_theta", float, default=10000.0)
+        if isinstance(rope_parameters, Mapping) and "full_attention" in rope_parameters:
+            rope_parameters = rope_parameters["full_attention"]  # Gemma 3: per layer kind
         if isinstance(rope_parameters, Mapping):
             rope_theta = _FieldReader(rope_parameters, source).get(
                 "rope_theta", float, default=rope_theta)
@@ -142,6 +154,7 @@ class ModelConfig:
                          if i not in eos)
         bos_ids = _as_id_tuple(raw.get("bos_token_id"), source, "bos_token_id")
         bos = bos_ids[0] if bos_ids else None
+        num_layers = field.get("num_hidden_layers", int)
 
         return cls.validated(
             source,
@@ -149,7 +162,7 @@ class ModelConfig:
             vocab_size=field.get("vocab_size", int),
             hidden_size=hidden_size,
             intermediate_size=field.get("intermediate_size", int),
-            num_hidden_layers=field.get("num_hidden_layers", int),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=_head_dim(head_dim, hidden_size, num_heads, source, "head_dim"),
@@ -162,6 +175,8 @@ class ModelConfig:
             bos_token_id=bos,
             eos_token_ids=eos,
             chat_template=chat_template,
+            features=arch_config.features_from_hf(raw, architecture, source,
+                                                  min(max(num_layers, 0), MAX_LAYERS)),
         )
 
     # ── from GGUF metadata ───────────────────────────────────────────────
@@ -173,9 +188,9 @@ class ModelConfig:
         """``fields``: GGUF key → decoded value (ints, floats, strings, lists)."""
         field = _FieldReader(fields, source)
         arch = field.get("general.architecture", str)
-        if arch not in ("llama", "qwen2"):
-            raise CheckpointError(source, "general.architecture",
-                                  f"{arch!r} is not supported (supported: llama, qwen2)")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise CheckpointError(source, "general.architecture", f"{arch!r} is not supported "
+                                  f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
         if fields.get(f"{arch}.expert_count"):
             raise CheckpointError(source, f"{arch}.expert_count",
                                   "mixture-of-experts models are not supported")
@@ -224,6 +239,9 @@ class ModelConfig:
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,
             chat_template=fields.get("tokenizer.chat_template"),
+            features=arch_config.features_from_gguf(
+                fields, arch, source, min(max(field.get(f"{arch}.block_count", int), 0),
+                                          MAX_LAYERS), head_dim),
         )
 
     # ── shared validation ────────────────────────────────────────────────

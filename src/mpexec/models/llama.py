@@ -11,6 +11,10 @@
 A layer is RMSNorm → attention (q/k/v column-parallel, optional q/k/v
 biases as in Qwen2, rotary, GQA over the paged cache, o_proj row-parallel)
 → RMSNorm → SwiGLU MLP (gate/up column-parallel, down row-parallel).
+The departures of Qwen3, Gemma 2/3 and Phi-3 (``ModelConfig.features``,
+see ``arch_config``) are options of the same pieces: q/k norms, norms after
+attention and after the MLP, a GELU-tanh MLP, scaled embeddings, soft-capped
+scores and logits, sliding-window layers with a rotation of their own.
 :func:`load_stage` builds a stage from a checkpoint, reading only this
 rank's slices (``Checkpoint.read(name, dim, start, stop)``).  The model
 holds no per-request state; the worker owns requests and the KV cache.
@@ -18,11 +22,13 @@ holds no per-request state; the worker owns requests and the KV cache.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from mpexec.models.arch_config import ArchFeatures
 from mpexec.models.context_parallel import DcpBatch, DcpGroup
 from mpexec.models.kv_cache import AttentionBatch, KVCache
 from mpexec.models.layers.attention import Attention
@@ -35,7 +41,8 @@ from mpexec.models.prefill_parallel import PcpBatch
 from mpexec.models.sharding import RankShare
 
 # ModelConfig names the family ("llama" covers Mistral and SmolLM).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class CheckpointReader(Protocol):
@@ -64,13 +71,24 @@ def check_supported(config: Any) -> None:
 
 
 class DecoderLayer:
+    """``post_norm`` is the norm before the MLP; Gemma's sandwich adds
+    ``attn_out_norm`` (on the attention's output) and ``mlp_out_norm``."""
+
     def __init__(self, *, input_norm: RMSNorm, attention: Attention, post_norm: RMSNorm,
-                 gate_up: ColumnParallelLinear, down: RowParallelLinear) -> None:
+                 gate_up: ColumnParallelLinear, down: RowParallelLinear,
+                 attn_out_norm: RMSNorm | None = None, mlp_out_norm: RMSNorm | None = None,
+                 activation: str = "silu", window: int | None = None,
+                 rope_index: int = 0) -> None:
         self.input_norm = input_norm
         self.attention = attention
         self.post_norm = post_norm
         self.gate_up = gate_up
         self.down = down
+        self.attn_out_norm = attn_out_norm
+        self.mlp_out_norm = mlp_out_norm
+        self.act = ACTIVATIONS[activation]
+        self.window = window  # None: attends to the whole context
+        self.rope_index = rope_index  # which of the stage's rotations
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  batch: AttentionBatch | DcpBatch | PcpBatch,
@@ -79,9 +97,14 @@ class DecoderLayer:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_norm(hidden, residual)
         hidden = self.attention(hidden, batch, rope, cache)
+        if self.attn_out_norm is not None:
+            hidden = self.attn_out_norm.normalize(hidden)
         hidden, residual = self.post_norm(hidden, residual)
         gate, up = self.gate_up(hidden).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up), residual
+        hidden = self.down(self.act(gate) * up)
+        if self.mlp_out_norm is not None:
+            hidden = self.mlp_out_norm.normalize(hidden)
+        return hidden, residual
 
 
 class LlamaStage:
@@ -91,13 +114,19 @@ class LlamaStage:
                  embedding: VocabParallelEmbedding | None, final_norm: RMSNorm | None,
                  lm_head: ParallelLMHead | None, rotary: RotaryEmbedding,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, rotaries: list[RotaryEmbedding] | None = None,
+                 embedding_scale: float | None = None,
+                 final_logit_softcapping: float | None = None) -> None:
         self.share = share
         self.layers = layers
         self.embedding = embedding
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.rotary = rotary
+        self.rotaries = rotaries or [rotary]  # layer.rope_index indexes these
+        self.embedding_scale = embedding_scale
+        self.final_logit_softcapping = final_logit_softcapping
+        self.windows = sorted({layer.window for layer in layers if layer.window})
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -120,10 +149,15 @@ class LlamaStage:
         if self.embedding is not None:
             assert token_ids is not None
             hidden, residual = self.embedding(token_ids), None
+            if self.embedding_scale is not None:  # Gemma: × √hidden, in the compute dtype
+                hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         assert hidden is not None
-        rope = self.rotary.lookup(positions)
+        ropes = [rotary.lookup(positions) for rotary in self.rotaries]
+        batches = {window: _windowed(batch, window) for window in self.windows}
         for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, batch, rope, cache.layer(index))
+            layer_batch = batches[layer.window] if layer.window else batch
+            hidden, residual = layer(hidden, residual, layer_batch, ropes[layer.rope_index],
+                                     cache.layer(index))
         assert residual is not None
         return hidden, residual
 
@@ -132,7 +166,21 @@ class LlamaStage:
         """float32 logits ``[len(rows), vocab]`` of the chosen rows (last stage)."""
         assert self.final_norm is not None and self.lm_head is not None
         normed, _ = self.final_norm(hidden[rows], residual[rows])
-        return self.lm_head(normed)
+        logits = self.lm_head(normed)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _windowed(batch: AttentionBatch | DcpBatch | PcpBatch,
+              window: int) -> AttentionBatch | DcpBatch | PcpBatch:
+    """The step's batch for the layers that attend over ``window`` tokens."""
+    if isinstance(batch, PcpBatch):
+        return dataclasses.replace(batch, inner=batch.inner.windowed(window))
+    if isinstance(batch, DcpBatch):  # load_stage refuses this combination
+        raise ValueError("decode context parallelism cannot run sliding-window layers")
+    return batch.windowed(window)
 
 
 def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
@@ -157,6 +205,18 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                  stop: int | None = None) -> torch.Tensor | None:
         return read(name, dim, start, stop) if name in names else None
 
+    features = getattr(config, "features", None) or ArchFeatures()
+    if dcp_group is not None and (features.sliding_window or features.attn_logit_softcapping):
+        raise ValueError(f"decode context parallelism does not support {config.architecture}'s "
+                         "sliding-window layers or attention soft-capping "
+                         "(sliding_window, attn_logit_softcapping)")
+
+    def norm(name: str) -> RMSNorm:
+        weight = read(name)
+        if features.norm_offset:  # Gemma: the norm scales by 1 + w
+            weight = (weight.float() + features.norm_offset).to(dtype)
+        return RMSNorm(weight, config.rms_norm_eps)
+
     attn = share.attention
     q_rows = (attn.q_start * head_dim, attn.q_stop * head_dim)
     kv_rows = (attn.kv_start * head_dim, attn.kv_stop * head_dim)
@@ -164,7 +224,14 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
     rotary = RotaryEmbedding(head_dim=head_dim, rope_theta=config.rope_theta,
                              rope_scaling=config.rope_scaling,
                              max_position_embeddings=config.max_position_embeddings,
-                             max_positions=max_positions, dtype=dtype, device=device)
+                             max_positions=max_positions, dtype=dtype, device=device,
+                             freq_factors=features.rope_freq_factors)
+    rotaries = [rotary]
+    if features.sliding_layers and features.local_rope_theta is not None:
+        rotaries.append(RotaryEmbedding(  # Gemma 3's sliding layers: own base, no scaling
+            head_dim=head_dim, rope_theta=features.local_rope_theta, rope_scaling=None,
+            max_position_embeddings=config.max_position_embeddings,
+            max_positions=max_positions, dtype=dtype, device=device))
     layers = []
     for index in range(*share.layers):
         prefix = f"model.layers.{index}."
@@ -180,23 +247,35 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             if any(b is None for b in biases):
                 raise ValueError(f"{attn_prefix}: q/k/v biases must be all present or all absent")
             qkv_bias = torch.cat([b for b in biases if b is not None])
+        window = features.window_of(index)
+        rope_index = len(rotaries) - 1 if window else 0
         attention = Attention(
             qkv_proj=ColumnParallelLinear(qkv_weight, qkv_bias),
             o_proj=RowParallelLinear(read(attn_prefix + "o_proj.weight", 1, *q_rows), tp_group,
                                      bias=optional(attn_prefix + "o_proj.bias")),
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=head_dim,
-            rotary=rotary, dcp=dcp_group, dcp_head_counts=dcp_head_counts)
+            rotary=rotaries[rope_index],
+            q_norm=norm(attn_prefix + "q_norm.weight") if features.qk_norm else None,
+            k_norm=norm(attn_prefix + "k_norm.weight") if features.qk_norm else None,
+            scale=features.attention_scale, softcap=features.attn_logit_softcapping,
+            dcp=dcp_group, dcp_head_counts=dcp_head_counts)
         mlp_prefix = prefix + "mlp."
         gate_up = torch.cat([read(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),
                              read(mlp_prefix + "up_proj.weight", 0, *mlp_rows)])
+        sandwich = features.sandwich_norms
         layers.append(DecoderLayer(
-            input_norm=RMSNorm(read(prefix + "input_layernorm.weight"), config.rms_norm_eps),
+            input_norm=norm(prefix + "input_layernorm.weight"),
             attention=attention,
-            post_norm=RMSNorm(read(prefix + "post_attention_layernorm.weight"),
-                              config.rms_norm_eps),
+            post_norm=norm(prefix + ("pre_feedforward_layernorm.weight" if sandwich
+                                     else "post_attention_layernorm.weight")),
             gate_up=ColumnParallelLinear(gate_up),
             down=RowParallelLinear(read(mlp_prefix + "down_proj.weight", 1, *mlp_rows),
-                                   tp_group)))
+                                   tp_group),
+            attn_out_norm=norm(prefix + "post_attention_layernorm.weight") if sandwich
+            else None,
+            mlp_out_norm=norm(prefix + "post_feedforward_layernorm.weight") if sandwich
+            else None,
+            activation=features.activation, window=window, rope_index=rope_index))
     vocab_start, vocab_stop = share.vocab
     embedding = lm_head = final_norm = None
     embed_rows: torch.Tensor | None = None
@@ -204,7 +283,7 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
         embed_rows = read("model.embed_tokens.weight", 0, vocab_start, vocab_stop)
         embedding = VocabParallelEmbedding(embed_rows, vocab_start, tp_group)
     if is_last:
-        final_norm = RMSNorm(read("model.norm.weight"), config.rms_norm_eps)
+        final_norm = norm("model.norm.weight")
         if not config.tie_word_embeddings and "lm_head.weight" in names:
             head = read("lm_head.weight", 0, vocab_start, vocab_stop)
         elif embed_rows is not None:
@@ -214,4 +293,7 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
         lm_head = ParallelLMHead(head, tp_group)
     return LlamaStage(share=share, layers=layers, embedding=embedding, final_norm=final_norm,
                       lm_head=lm_head, rotary=rotary, num_kv_heads=attn.num_kv_heads,
-                      head_dim=head_dim, dtype=dtype, device=device)
+                      head_dim=head_dim, dtype=dtype, device=device, rotaries=rotaries,
+                      embedding_scale=config.hidden_size ** 0.5 if features.embedding_scale
+                      else None,
+                      final_logit_softcapping=features.final_logit_softcapping)

@@ -141,11 +141,17 @@ def write_tiny_gguf(
     qtype: str = "Q8_0",
     skip: tuple[str, ...] = (),
     metadata_changes: dict[str, Any] | None = None,
+    tokenizer: str = "gpt2",
 ) -> Path:
     """Write ``hf_dir`` (a tiny checkpoint) as a GGUF file at ``path``.
 
-    ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) is used for every 2-D weight
-    whose rows are whole blocks; others and all 1-D tensors are F32.
+    ``tokenizer="llama"`` stores a SentencePiece-style vocabulary of the same
+    size instead of the checkpoint's byte-level BPE (:func:`add_spm_tokenizer`).
+
+    ``qtype`` (a ``gguf.GGMLQuantizationType`` name) is used for every 2-D
+    weight whose rows are whole blocks; others and all 1-D tensors are F32.
+    Types gguf cannot quantise (K-quants, IQ types) get random blocks (see
+    ``_quantize``): for loader tests, not for comparing outputs.
     ``skip`` leaves out GGUF tensors by name, and ``metadata_changes``
     overrides ``llama.*`` integer keys: both only to make damaged files.
     """
@@ -177,10 +183,21 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
-    _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # as llama.cpp's converter: a factor per rotary frequency, no scaling keys
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, config["rope_theta"],
+                                                                scaling))
+    if tokenizer == "llama":
+        settings = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        add_spm_tokenizer(writer, config["vocab_size"], add_bos=bool(settings["add_bos_token"]))
+        writer.add_chat_template(settings["chat_template"])
+    else:
+        _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
 
     gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
     quant = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.Generator(np.random.PCG64(1))
     for hf, values in tensors.items():
         name = gguf_names[hf]
         if name in skip:
@@ -191,9 +208,119 @@ def write_tiny_gguf(
             heads = values.shape[0] // head_dim
             values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
                       .swapaxes(1, 2).reshape(values.shape))
-        whole_blocks = values.shape[-1] % 32 == 0 or qtype in ("F16", "BF16")
+        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
         if values.ndim == 2 and qtype != "F32" and whole_blocks:
-            writer.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> Any:
+    """Llama 3.1's rope scaling as the factors that divide each inverse frequency."""
+    import math
+
+    import numpy as np
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _quantize(values: Any, quant: Any, rng: Any) -> Any:
+    """``values`` in ``quant``'s blocks; random blocks where gguf cannot quantise.
+
+    gguf's Python package quantises the legacy types only.  For the others
+    (K-quants, IQ types) the blocks are random bytes of the right size, with
+    bit 6 of every odd byte cleared so that every little-endian float16 at an
+    even offset (all the scales of these layouts) is finite and below 2: such
+    a file tests the loader's blocks and slices, not the model's numerics.
+    """
+    import gguf
+    import numpy as np
+
+    try:
+        return gguf.quants.quantize(values, quant)
+    except NotImplementedError:
+        pass
+    elements, size = gguf.GGML_QUANT_SIZES[quant]
+    shape = (*values.shape[:-1], values.shape[-1] // elements * size)
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[..., 1::2] &= 0xBF
+    return raw
+
+
+def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32") -> Path:
+    """Write a transformers-saved Qwen3, Gemma 2/3 or Phi-3 directory as GGUF,
+    the way llama.cpp's converter writes that family: its tensor names (Phi-3's
+    fused ``attn_qkv`` / ``ffn_up``), Gemma's norm weights stored as ``1 + w``,
+    the ``<arch>.*`` keys (Gemma's window and soft-caps).  No tokenizer: for
+    weight and output tests.  Gemma's attention scale in GGUF is ``1/√head_dim``
+    and Gemma 3's local rope base 10,000, whatever config.json said.
+    """
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from mpexec.models.loader.gguf_file import hf_name
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    parsed = ModelConfig.from_hf_dir(hf_dir)
+    arch = parsed.architecture
+    tensors: dict[str, Any] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    ints = {"context_length": parsed.max_position_embeddings,
+            "embedding_length": parsed.hidden_size, "block_count": parsed.num_hidden_layers,
+            "feed_forward_length": parsed.intermediate_size,
+            "attention.head_count": parsed.num_attention_heads,
+            "attention.head_count_kv": parsed.num_key_value_heads,
+            "attention.key_length": parsed.head_dim, "attention.value_length": parsed.head_dim,
+            "vocab_size": parsed.vocab_size}
+    features = parsed.features
+    if features.sliding_window:
+        ints["attention.sliding_window"] = features.sliding_window
+    for key, value in ints.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", parsed.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", parsed.rope_theta)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(features, key) is not None:
+            writer.add_float32(f"{arch}.{key}", getattr(features, key))
+    names = [f"blk.{layer}.{part}" for layer in range(parsed.num_hidden_layers) for part in (
+        "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
+        "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight",
+        "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight",
+        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+    names += ["token_embd.weight", "output_norm.weight", "output.weight"]
+    gguf_names = {hf_name(n, arch): n for n in names}
+    quant = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.Generator(np.random.PCG64(1))
+    for hf, values in tensors.items():
+        name = gguf_names.get(hf)
+        if name is None:
+            continue  # lm_head of a tied checkpoint
+        values = values.astype(np.float32)
+        if features.norm_offset and name.endswith("norm.weight"):
+            values = values + np.float32(features.norm_offset)
+        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
+        if values.ndim == 2 and qtype != "F32" and whole_blocks:
+            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values))
     writer.write_header_to_file()
@@ -238,6 +365,49 @@ def _add_gguf_tokenizer(writer: Any, hf_dir: Path, vocab_size: int) -> None:
     writer.add_eos_token_id(IM_END)
     writer.add_add_bos_token(bool(settings.get("add_bos_token")))
     writer.add_chat_template(settings["chat_template"])
+
+
+def add_spm_tokenizer(writer: Any, vocab_size: int, *, add_bos: bool = True,
+                      add_eos: bool | None = None, space_tokens: bool = False) -> None:
+    """A SentencePiece-style vocabulary (``tokenizer.ggml.model = llama``) as GGUF metadata.
+
+    ids 0-3 are ``<s>``, ``</s>``, ``<|im_start|>``, ``<|im_end|>`` (control,
+    the same ids as the tiny checkpoint's tokenizer), 4 ``<unk>``, then the 256
+    byte-fallback tokens ``<0x00>``…``<0xFF>``, then pieces learned from the
+    fixed corpus with ``▁`` for a space, scored best first; no merges, as in
+    llama.cpp's files.  ``space_tokens`` adds tokens of two and three plain
+    spaces (how Gemma's files spell them).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = [*SPECIAL_TOKENS, "<unk>"]
+    extra = ["  ", "   "] if space_tokens else []
+    room = vocab_size - len(specials) - 256 - len(extra)
+    trainer_model = Tokenizer(models.BPE())
+    trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                           prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=room, show_progress=False)
+    trainer_model.train_from_iterator(_corpus(), trainer=trainer)
+    learned = sorted(trainer_model.get_vocab().items(), key=lambda item: item[1])
+    pieces = [token for token, _ in learned][:room]
+    pieces += [f"<unused{i}>" for i in range(room - len(pieces))]
+    tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces, *extra]
+    # 1 normal, 2 unknown, 3 control, 5 unused, 6 byte
+    types = [3, 3, 3, 3, 2] + [6] * 256 + [5 if p.startswith("<unused") else 1 for p in pieces]
+    types += [1] * len(extra)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))]
+    scores += [-1000.0] * len(extra)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(BOS)
+    writer.add_eos_token_id(IM_END)
+    writer.add_unk_token_id(4)
+    writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
 
 
 def _write_shards(directory: Path, tensors: dict[str, Any], shards: int, save_file: Any) -> None:

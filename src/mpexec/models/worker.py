@@ -95,7 +95,7 @@ def _open_checkpoint(spec: str) -> Any:
     from mpexec.models.loader import open_checkpoint
 
     path = Path(spec)
-    if not path.exists():  # "default", or a missing path resolve_model explains
+    if not path.exists():  # a named model, or a missing path resolve_model explains
         from mpexec.models.fetch import resolve_model
 
         path = resolve_model(spec)

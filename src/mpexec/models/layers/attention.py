@@ -12,6 +12,13 @@ Per layer and step::
 
 Each rank attends only with its own query heads and the KV heads they use;
 nothing crosses ranks until ``o_proj``'s all-reduce.
+
+Options some families need: ``q_norm``/``k_norm`` (an RMSNorm over each
+query / key head before the rotation: Qwen3, Gemma 3), ``scale`` (the
+softmax scale, default ``1/√head_dim``), ``softcap`` (scores become
+``cap · tanh(scores / cap)`` before the mask: Gemma 2; SDPA cannot do this,
+so such a layer attends with explicit matmuls).  A sliding-window layer is
+handed a batch whose masks already cut the window (``AttentionBatch.windowed``).
 """
 
 from __future__ import annotations
@@ -22,14 +29,40 @@ import torch.nn.functional as F
 from mpexec.models.context_parallel import DcpBatch, DcpGroup, dcp_attention
 from mpexec.models.kv_cache import AttentionBatch
 from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpexec.models.layers.norm import RMSNorm
 from mpexec.models.layers.rotary import RotaryEmbedding
 from mpexec.models.prefill_parallel import PcpBatch, write_all_rows
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+           mask: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """SDPA over ``[..., heads, q, d]`` queries and ``[..., kv_heads, L, d]`` keys
+    (grouped heads allowed); with ``softcap``, the same in explicit matmuls."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale,
+                                              enable_gqa=k.shape[-3] != q.shape[-3])
+    if k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None
+                                                     else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                          device=q.device).tril(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
 
 
 class Attention:
     def __init__(self, *, qkv_proj: ColumnParallelLinear, o_proj: RowParallelLinear,
                  num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, dcp: DcpGroup | None = None,
+                 rotary: RotaryEmbedding, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None, scale: float | None = None,
+                 softcap: float | None = None, dcp: DcpGroup | None = None,
                  dcp_head_counts: list[int] | None = None) -> None:
         self.qkv_proj = qkv_proj
         self.o_proj = o_proj
@@ -44,6 +77,10 @@ class Attention:
         # the query heads each of its ranks holds
         self.dcp = dcp
         self.dcp_head_counts = dcp_head_counts or [num_heads]
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.scale = scale
+        self.softcap = softcap
 
     def __call__(self, hidden: torch.Tensor, batch: AttentionBatch | DcpBatch | PcpBatch,
                  rope: tuple[torch.Tensor, torch.Tensor],
@@ -53,6 +90,9 @@ class Attention:
         # q and k sit side by side in qkv: one rotation covers both
         qk = qkv[:, :self.q_size + self.kv_size].view(
             tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm.normalize(q), self.k_norm.normalize(k)), dim=1)
         qk = self.rotary.apply(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -63,8 +103,9 @@ class Attention:
             batch = batch.inner
         if isinstance(batch, DcpBatch):
             assert self.dcp is not None, "a DCP batch reached a layer built without DCP"
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
             return self.o_proj(dcp_attention(q, k, v, batch, cache, self.dcp,
-                                             self.dcp_head_counts, self.head_dim ** -0.5))
+                                             self.dcp_head_counts, scale))
         k_cache, v_cache = cache
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -99,7 +140,8 @@ class Attention:
         keys = torch.index_select(k_cache, 0, flat).view(shape).transpose(1, 2)
         values = torch.index_select(v_cache, 0, flat).view(shape).transpose(1, 2)
         queries = q.view(count, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
+        out = attend(queries, keys, values, mask=batch.decode_mask, scale=self.scale,
+                     softcap=self.softcap)
         return out.reshape(count, self.q_size)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -108,10 +150,6 @@ class Attention:
         queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
-        if mask is None:
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                                 enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                                 enable_gqa=True)
+        out = attend(queries, keys, values, mask=mask, causal=mask is None, scale=self.scale,
+                     softcap=self.softcap)
         return out[0].transpose(0, 1).reshape(count, self.q_size)

@@ -94,9 +94,13 @@ def _yarn_inv_freq(base: float, dim: int, scaling: dict[str, Any],
 
 
 def rope_tables(*, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
-                max_position_embeddings: int,
-                max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos`` and ``sin`` tables, ``[max_positions, head_dim]``."""
+                max_position_embeddings: int, max_positions: int,
+                freq_factors: tuple[float, ...] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos`` and ``sin`` tables, ``[max_positions, head_dim]``.
+
+    ``freq_factors`` (GGUF's ``rope_freqs`` tensor, how llama.cpp stores Llama
+    3.1's scaling): each plain inverse frequency is divided by its factor."""
     kind = rope_type_of(rope_scaling)
     scaling = rope_scaling or {}
     positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
@@ -113,6 +117,8 @@ def rope_tables(*, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any
                 rope_theta, head_dim, scaling, max_position_embeddings)
         else:
             inv_freq = _plain_inv_freq(rope_theta, head_dim)
+            if freq_factors is not None:
+                inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
             if kind == "linear":
                 inv_freq = inv_freq / scaling["factor"]
             elif kind == "llama3":
@@ -127,11 +133,12 @@ class RotaryEmbedding:
 
     def __init__(self, *, head_dim: int, rope_theta: float,
                  rope_scaling: dict[str, Any] | None, max_position_embeddings: int,
-                 max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_positions: int, dtype: torch.dtype, device: torch.device,
+                 freq_factors: tuple[float, ...] | None = None) -> None:
         cos, sin = rope_tables(head_dim=head_dim, rope_theta=rope_theta,
                                rope_scaling=rope_scaling,
                                max_position_embeddings=max_position_embeddings,
-                               max_positions=max_positions)
+                               max_positions=max_positions, freq_factors=freq_factors)
         self.max_positions = max_positions
         self.half = head_dim // 2
         # cos/sin in the compute dtype, as the reference casts them before use.

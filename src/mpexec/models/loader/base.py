@@ -31,30 +31,63 @@ if TYPE_CHECKING:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter the model loads, in Hugging Face names, with its shape."""
+    """Every parameter stored in the checkpoint, in Hugging Face names, with its shape."""
     h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
+    features = config.features
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if features.fused_qkv:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if features.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        if features.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if features.fused_qkv:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def split_views(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Parameters stored fused (Phi-3's qkv_proj and gate_up_proj) under the
+    names the model reads: name → (stored name, first row, rows)."""
+    if not config.features.fused_qkv:
+        return {}
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    i = config.intermediate_size
+    views = {}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        qkv, gate_up = p + "self_attn.qkv_proj.weight", p + "mlp.gate_up_proj.weight"
+        views[p + "self_attn.q_proj.weight"] = (qkv, 0, q)
+        views[p + "self_attn.k_proj.weight"] = (qkv, q, kv)
+        views[p + "self_attn.v_proj.weight"] = (qkv, q + kv, kv)
+        views[p + "mlp.gate_proj.weight"] = (gate_up, 0, i)
+        views[p + "mlp.up_proj.weight"] = (gate_up, i, i)
+    return views
 
 
 class Checkpoint:
@@ -65,13 +98,20 @@ class Checkpoint:
         self.config = config
         self.bytes_read = 0
         self._shapes = expected_shapes(config)
+        self._views = split_views(config)
+        fused = {stored for stored, _, _ in self._views.values()}
+        self._names = [n for n in self._shapes if n not in fused] + list(self._views)
 
     # ── the API the model uses ───────────────────────────────────────────
 
     def names(self) -> list[str]:
-        return list(self._shapes)
+        """The parameters the model reads (a fused tensor under its parts' names)."""
+        return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        view = self._views.get(name)
+        if view is not None:
+            return (view[2], *self._shapes[view[0]][1:])
         try:
             return self._shapes[name]
         except KeyError:
@@ -102,7 +142,16 @@ class Checkpoint:
             empty = list(shape)
             empty[dim] = 0
             return torch.empty(empty, dtype=torch.float32 if dtype is None else dtype)
-        tensor = self._read_slice(name, dim, start, stop)
+        view = self._views.get(name)
+        if view is not None:  # rows of a fused tensor
+            stored, first, rows = view
+            if dim == 0:
+                tensor = self._read_slice(stored, 0, first + start, first + stop)
+            else:
+                tensor = self._read_slice(stored, 0, first, first + rows).narrow(
+                    dim, start, stop - start)
+        else:
+            tensor = self._read_slice(name, dim, start, stop)
         return tensor.to(torch.float32 if dtype is None else dtype)
 
     def tokenizer(self) -> Tokenizer:

@@ -5,8 +5,9 @@
     read(hf_name, dim, start, stop)
         hf name ─► gguf name (blk.N.attn_q.weight …)
         rows [start:stop] (dim 0)        → only those rows' bytes
-        columns [start:stop] (last dim)  → only the 32-element blocks that cover them
-        ─► quants.dequantize ─► Q/K rows put back in Hugging Face order
+        columns [start:stop] (last dim)  → only the blocks that cover them (32
+                                           elements, 256 for K-quant super-blocks)
+        ─► quants.dequantize (gguf.quants) ─► Q/K rows put back in Hugging Face order
 
 Layout: GGUF lists dimensions fastest first (``ne[0]`` is the row length), so
 a torch ``(out, in)`` weight appears as ``[in, out]``; the file's bytes are the
@@ -22,6 +23,7 @@ the shape the metadata implies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -32,7 +34,7 @@ import numpy as np
 from mpexec.models.config import CheckpointError, ModelConfig
 from mpexec.models.loader.base import Checkpoint
 from mpexec.models.loader.gguf_header import TensorEntry, read_header
-from mpexec.models.loader.quants import ENCODINGS, Encoding, dequantize
+from mpexec.models.loader.quants import Encoding, dequantize, encoding_of, supported_names
 
 if TYPE_CHECKING:
     import torch
@@ -57,17 +59,29 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Where a family's converter names a tensor differently (llama.cpp's tensor map).
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES,
+                      "post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                     "phi3": _PHI3_LAYER_NAMES}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name of a GGUF tensor (None: not a model weight)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    table = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if match and match.group(2) in table:
+        return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
     return None
 
 
@@ -94,9 +108,14 @@ class GGUFCheckpoint(Checkpoint):
         self._fields = header.fields
         self._infos: dict[str, _TensorInfo] = {}
         self._permuted_heads: dict[str, int] = {}
-        found = self._scan_tensors(path, header.tensors)
+        self._norm_shift = 0.0
+        self._rope_freqs: TensorEntry | None = None
+        arch = self._fields.get("general.architecture")
+        found = self._scan_tensors(path, header.tensors, str(arch))
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
+        if self._rope_freqs is not None:
+            config = self._with_rope_freqs(path, config, self._rope_freqs)
         layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
         if config.num_hidden_layers != len(layers):
             raise CheckpointError(path, f"{config.architecture}.block_count",
@@ -109,22 +128,49 @@ class GGUFCheckpoint(Checkpoint):
                     for kind in ("weight", "bias"):
                         self._permuted_heads[f"model.layers.{layer}.self_attn.{proj}.{kind}"] \
                             = config.head_dim
+        # llama.cpp stores Gemma's norm weights as 1 + w (what multiplies); read gives w.
+        self._norm_shift = config.features.norm_offset
         self._check_tensors(found, {})
 
-    def _scan_tensors(self, path: Path, tensors: list[TensorEntry]) -> dict[str, tuple[int, ...]]:
+    def _with_rope_freqs(self, path: Path, config: ModelConfig,
+                         tensor: TensorEntry) -> ModelConfig:
+        """Llama 3.1's rope scaling as llama.cpp stores it: a float32 factor per
+        rotary frequency, which divides that frequency."""
+        name, half = tensor.name, config.head_dim // 2
+        if config.rope_scaling is not None:
+            raise CheckpointError(path, name, "rope frequency factors together with "
+                                  f"{config.architecture}.rope.scaling.type: not supported")
+        if tensor.ggml_type != 0 or tuple(tensor.ne) != (half,):
+            raise CheckpointError(path, name, f"expected {half} float32 factors (head size "
+                                  f"{config.head_dim}), got type {tensor.ggml_type}, "
+                                  f"dimensions {list(tensor.ne)}")
+        if tensor.offset + 4 * half > len(self._data):
+            raise CheckpointError(path, name, "tensor data runs past the end of the file: "
+                                  "the file is truncated")
+        factors = np.frombuffer(self._data, dtype="<f4", count=half, offset=tensor.offset)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise CheckpointError(path, name, "factors must be positive and finite")
+        features = dataclasses.replace(config.features,
+                                       rope_freq_factors=tuple(float(f) for f in factors))
+        return dataclasses.replace(config, features=features)
+
+    def _scan_tensors(self, path: Path, tensors: list[TensorEntry],
+                      arch: str) -> dict[str, tuple[int, ...]]:
         file_size = len(self._data)
         found: dict[str, tuple[int, ...]] = {}
         for tensor in tensors:
             if tensor.name == "rope_freqs.weight":
-                raise CheckpointError(path, tensor.name, "per-dimension rope frequencies "
-                                      "(llama3 rope scaling in GGUF) are not supported")
-            name = hf_name(tensor.name)
+                self._rope_freqs = tensor
+                continue
+            name = hf_name(tensor.name, arch)
             if name is None:
                 continue
-            encoding = ENCODINGS.get(tensor.ggml_type)
+            encoding = encoding_of(tensor.ggml_type)
             if encoding is None:
-                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} is not "
-                                      "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
+                raise CheckpointError(path, tensor.name, f"ggml type {tensor.ggml_type} "
+                                      f"({_type_name(tensor.ggml_type)}) cannot be dequantised "
+                                      f"by the installed gguf (supported: "
+                                      f"{', '.join(supported_names())})")
             shape = tuple(reversed(tensor.ne))
             if not shape or min(shape) <= 0:
                 raise CheckpointError(path, tensor.name, f"dimensions {list(tensor.ne)} are "
@@ -152,6 +198,8 @@ class GGUFCheckpoint(Checkpoint):
             values = self._read_block(info, 0, 1, 0, info.columns)[0]
             if head is not None:
                 values = _unpermute(values[:, None], head)[:, 0]
+            if self._norm_shift and name.endswith("norm.weight"):
+                values = values - np.float32(self._norm_shift)
             return torch.from_numpy(np.ascontiguousarray(values[start:stop]))
         if dim == 0:
             first, last = start, stop
@@ -191,6 +239,15 @@ class GGUFCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self._data = None  # the memory map goes with the last reference
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return "unknown"
 
 
 def _unpermute(values: np.ndarray, head: int) -> np.ndarray:

@@ -1,32 +1,49 @@
-"""GGUF tensor encodings, dequantised with numpy from their block layout.
+"""GGUF tensor encodings, dequantised by ``gguf``'s own ``gguf.quants``.
 
 A GGUF tensor is stored row by row (a row is the last torch dimension, GGUF's
 ``ne[0]``).  Float types store each element; the quantised types cut a row
-into blocks of 32 elements, each block self-contained:
+into self-contained blocks: 32 elements for the legacy types (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), 256-element *super-blocks* for the K-quants
+(Q2_K … Q6_K) and most IQ types.  Rows are independent and so are blocks,
+which is what lets a reader take a slice of rows, or of whole blocks along a
+row, without touching the rest of the tensor.
 
+Which types load is decided by the installed ``gguf``: every type its
+``gguf.quants.dequantize`` implements (block sizes from
+``gguf.GGML_QUANT_SIZES``), checked once per type by dequantising one zero
+block.  Integer tensors and the types it cannot dequantise are refused at
+open (:func:`encoding_of` returns None).
+
+Five encodings keep a numpy path of their own, bit-identical to gguf's and
+1.4-2.3× faster on SmolLM2's tensors (``gguf`` splits a tensor into groups
+of 16 rows and splits each block again; these work on the whole slice):
+
+    F32, F16, BF16   the values, widened to float32
     Q8_0  34 bytes: f16 scale d, 32 × int8 q               x = d·q
     Q4_0  18 bytes: f16 scale d, 16 bytes of nibbles       x = d·(q − 8)
     Q4_1  20 bytes: f16 scale d, f16 minimum m, 16 bytes   x = d·q + m
 
 In the 4-bit types byte ``i`` of a block holds element ``i`` in its low
-nibble and element ``i + 16`` in its high nibble.  Rows are independent and
-so are blocks, which is what lets a reader take a slice of rows, or of
-whole blocks along a row, without touching the rest of the tensor.
+nibble and element ``i + 16`` in its high nibble.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-BLOCK_ELEMENTS = 32
+# GGML type numbers of the encodings decoded here (ggml's type enum).
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+_OWN = (F32, F16, Q4_0, Q4_1, Q8_0, BF16)
 
 
 @dataclass(frozen=True)
 class Encoding:
     name: str
+    ggml_type: int
     block_elements: int  # elements per block (1 for plain floats)
     block_bytes: int
 
@@ -34,15 +51,34 @@ class Encoding:
         return columns // self.block_elements * self.block_bytes
 
 
-# GGML type number → encoding (numbers from ggml's type enum).
-ENCODINGS = {
-    0: Encoding("F32", 1, 4),
-    1: Encoding("F16", 1, 2),
-    2: Encoding("Q4_0", BLOCK_ELEMENTS, 18),
-    3: Encoding("Q4_1", BLOCK_ELEMENTS, 20),
-    8: Encoding("Q8_0", BLOCK_ELEMENTS, 34),
-    30: Encoding("BF16", 1, 2),
-}
+@functools.cache
+def encoding_of(ggml_type: int) -> Encoding | None:
+    """The encoding of GGML type ``ggml_type``, or None when it cannot be dequantised."""
+    import gguf
+
+    try:
+        kind = gguf.GGMLQuantizationType(ggml_type)
+    except ValueError:
+        return None
+    elements, size = gguf.GGML_QUANT_SIZES[kind]
+    encoding = Encoding(kind.name, int(kind), elements, size)
+    if ggml_type in _OWN:
+        return encoding
+    try:  # one zero block: does this gguf implement the type?
+        with np.errstate(all="ignore"):
+            out = gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), kind)
+    except NotImplementedError:
+        return None
+    if out.shape != (1, elements) or out.dtype != np.float32:  # an integer type
+        return None
+    return encoding
+
+
+def supported_names() -> list[str]:
+    """Names of every GGML type this installation loads."""
+    import gguf
+
+    return [kind.name for kind in gguf.GGMLQuantizationType if encoding_of(int(kind))]
 
 
 def dequantize(raw: Any, encoding: Encoding) -> np.ndarray:
@@ -52,31 +88,45 @@ def dequantize(raw: Any, encoding: Encoding) -> np.ndarray:
     the bytes are what they are, and numpy's floating-point warnings would only
     turn a damaged weight into an exception in one place and not another.
     """
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if encoding.ggml_type in _OWN:
+        rows = raw.shape[0]
+        out = np.empty((rows, raw.shape[1] // encoding.block_bytes * encoding.block_elements),
+                       dtype=np.float32)
+        # in chunks of about 1 MB of input: the temporaries stay in cache
+        step = max(1, (1 << 20) // max(raw.shape[1], 1))
+        with np.errstate(all="ignore"):
+            for row in range(0, rows, step):
+                out[row:row + step] = _dequantize_own(raw[row:row + step], encoding)
+        return out
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(encoding.ggml_type)
     with np.errstate(all="ignore"):
-        return _dequantize(np.ascontiguousarray(raw, dtype=np.uint8), encoding)
+        values = gguf.quants.dequantize(raw, kind)
+    return np.asarray(values, dtype=np.float32).reshape(raw.shape[0], -1)
 
 
-def _dequantize(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
+def _dequantize_own(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
     rows = raw.shape[0]
-    if encoding.name == "F32":
+    kind = encoding.ggml_type
+    if kind == F32:
         return raw.view(np.float32).reshape(rows, -1).copy()
-    if encoding.name == "F16":
+    if kind == F16:
         return raw.view(np.float16).reshape(rows, -1).astype(np.float32)
-    if encoding.name == "BF16":
+    if kind == BF16:
         # bfloat16 is the top half of a float32.
         upper = raw.view(np.uint16).reshape(rows, -1).astype(np.uint32)
         return (upper << 16).view(np.float32)
     blocks = raw.reshape(rows, -1, encoding.block_bytes)
     scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, nb, 1)
-    if encoding.name == "Q8_0":
+    if kind == Q8_0:
         values = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
         return (scale * values).reshape(rows, -1)
-    if encoding.name == "Q4_0":
+    if kind == Q4_0:
         return (scale * (_nibbles(blocks[..., 2:]) - 8.0)).reshape(rows, -1)
-    if encoding.name == "Q4_1":
-        minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-        return (scale * _nibbles(blocks[..., 4:]) + minimum).reshape(rows, -1)
-    raise ValueError(f"no dequantisation for {encoding.name}")
+    minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)  # Q4_1
+    return (scale * _nibbles(blocks[..., 4:]) + minimum).reshape(rows, -1)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
