@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def _is_int(value: object) -> bool:
@@ -30,29 +30,92 @@ knows it; the engine never sends a placeholder to a pipeline with PP > 1
 (micro-batches in flight at once hold disjoint requests)."""
 
 
-@dataclass
-class SamplingParams:
-    """How one request picks its next token and when it stops.
+MAX_LOGPROBS = 20
+"""The most top-k entries ``logprobs`` and ``prompt_logprobs`` may ask for."""
 
-    ``temperature == 0`` is greedy.  ``top_k <= 0``, ``top_p == 1`` and
-    ``min_p == 0`` switch those filters off.  A request's tokens depend only
-    on its own tokens so far, its parameters and ``seed`` (None: the
-    engine's seed), never on what else is in the batch.
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain a request's output to a JSON schema, a regular expression or
+    one string out of a list (exactly one of the three).
+
+    The engine compiles it (with ``outlines-core``, the ``serve`` extra) into
+    an automaton over the model's vocabulary and sends, with every step, the
+    tokens the automaton allows next.  ``whitespace_pattern`` replaces the
+    regex that JSON output may put between tokens (default: at most one space).
     """
 
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("guided_decoding needs exactly one of json, regex or choice; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"guided_decoding.json must be a JSON schema (dict or str); "
+                             f"got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"guided_decoding.regex must be a string; got {self.regex!r}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("guided_decoding.choice must be a non-empty list of non-empty "
+                             f"strings; got {self.choice!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its next tokens and when it stops.
+
+    The field names and meanings are vLLM's.  ``temperature == 0`` is greedy.
+    ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` switch those filters off.
+    A request's tokens depend only on its own tokens so far, its parameters
+    and ``seed`` (None: the engine's seed), never on what else is in the batch.
+
+    - ``n`` completions per prompt; with a ``seed``, completion ``i`` uses
+      ``seed + i``.
+    - ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract from
+      the logit of every token already in the *output*, once / once per
+      occurrence; ``repetition_penalty`` (> 0, 1 = off) divides a positive
+      logit (multiplies a negative one) of every token in the prompt or the
+      output; ``logit_bias`` adds to the logits of the given token ids.
+    - ``stop``: strings that end the output (not included in the text unless
+      ``include_stop_str_in_output``); ``stop_token_ids`` end it too.  No stop
+      (EOS, stop token or stop string) counts before ``min_tokens`` tokens.
+    - ``logprobs``: None, or the number k of most likely tokens returned per
+      output position besides the sampled one (0: the sampled one only);
+      ``prompt_logprobs`` likewise for the prompt tokens.  ``True`` means 0.
+    - ``guided_decoding``: a :class:`GuidedDecodingParams` constraint.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)  # a single string is accepted too
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    # Return the log-probability of each sampled token.
-    logprobs: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number; got {value!r}")
@@ -62,19 +125,101 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]; got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer; got {self.top_k!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1; got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens="
+                             f"{self.max_tokens}]; got {self.min_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) \
-                or not all(_is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers; got {self.stop_token_ids!r}")
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.stop = _stop_strings(self.stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # the older boolean form: the sampled token only
+                value = 0 if value else None
+                setattr(self, name, value)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}]; "
+                                 f"got {value!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError("guided_decoding must be a GuidedDecodingParams; got "
+                             f"{type(self.guided_decoding).__name__}")
+        if self.guided_decoding is not None and self.min_tokens:
+            # The constraint may allow nothing but EOS while min_tokens bans it.
+            raise ValueError("min_tokens cannot be combined with guided_decoding")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be integers (a list of token ids); got {value!r}")
+    items = list(value)
+    if not all(_is_int(t) and t >= 0 for t in items):
+        raise ValueError(f"{name} must be integers >= 0; got {items!r}")
+    return items
+
+
+def _stop_strings(value: object) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a string or a list of non-empty strings; got {value!r}")
+    return list(items)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias; got {value!r}")
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {key!r}")
+        if not _is_number(amount) or not math.isfinite(amount):
+            raise ValueError(f"logit_bias[{key!r}] must be a finite number; got {amount!r}")
+        bias[token] = float(amount)
+    return bias or None
+
+
+class LogprobsRow(NamedTuple):
+    """Log-probabilities at one position: the chosen token's and the top k.
+
+    ``rank`` is 1 + the number of tokens more likely than ``token_id``.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass
@@ -91,6 +236,12 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
+    # how many of prompt_token_ids are the prompt (None: all; fewer when a
+    # preempted request comes back with its outputs so far)
+    num_prompt_tokens: int | None = None
+    # token ids the sampler must not pick while the output is shorter than
+    # sampling_params.min_tokens (EOS unless ignore_eos, and stop_token_ids)
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -160,13 +311,16 @@ class ModelRunnerOutput:
 
     ``req_ids`` lists the requests that sampled in this step, in batch
     order; ``sampled_token_ids[i]`` holds the token(s) of ``req_ids[i]``
-    and ``logprobs[i]`` their log-probabilities when the request asked for
-    them (None otherwise).
+    and ``logprobs[i]`` the log-probabilities of its sampled token when the
+    request asked for them (None otherwise).  ``prompt_logprobs[req_id]`` is
+    ``(position, rows)``: the rows score the prompt tokens at ``position``
+    onwards (a prefill chunk of a request with ``prompt_logprobs``).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float] | None] | None = None
+    logprobs: list[LogprobsRow | None] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsRow]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

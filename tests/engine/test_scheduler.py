@@ -329,3 +329,33 @@ def test_any_mix_gives_the_reference_tokens(prompt_lens: list[int], max_tokens: 
         assert (r.output_token_ids, r.finish_reason.value) == want
     assert scheduler.blocks.num_free_blocks == num_blocks
     assert not scheduler.running and not scheduler.waiting
+
+
+def test_prompt_logprob_chunks_append_in_order_and_repeats_are_dropped() -> None:
+    from mpexec.engine.scheduler import _add_prompt_logprobs
+    from mpexec.outputs import LogprobsRow
+
+    req = request("p", 10, prompt_logprobs=0)
+
+    def rows(first: int, count: int) -> list[LogprobsRow]:
+        return [LogprobsRow(p, -float(p), 1, [], []) for p in range(first, first + count)]
+
+    _add_prompt_logprobs(req, 1, rows(1, 4))  # positions 1-4 (first chunk)
+    _add_prompt_logprobs(req, 1, rows(1, 4))  # recomputed after a preemption
+    _add_prompt_logprobs(req, 5, rows(5, 5))  # positions 5-9
+    _add_prompt_logprobs(req, 3, rows(3, 7))  # a resumed request scores them again
+    assert [r.token_id for r in req.prompt_logprobs] == list(range(1, 10))
+
+
+def test_min_tokens_stop_ids_go_to_the_workers_until_min_tokens() -> None:
+    scheduler = make_scheduler(eos=(3,))
+    scheduler.add_request(request("a", 4, min_tokens=2, stop_token_ids=[9, 3]))
+    scheduler.add_request(request("b", 4, min_tokens=2, ignore_eos=True, stop_token_ids=[9]))
+    scheduler.add_request(request("c", 4))
+    out = scheduler.schedule()
+    assert out is not None
+    sent = {new.req_id: new for new in out.scheduled_new_reqs}
+    assert sent["a"].min_tokens_stop_ids == [3, 9]
+    assert sent["b"].min_tokens_stop_ids == [9]
+    assert sent["c"].min_tokens_stop_ids == []
+    assert all(new.num_prompt_tokens == 4 for new in sent.values())

@@ -131,7 +131,7 @@ class StepDriver:
                 if self.fetch_logits:
                     run.logits.append(logits[row])
                 if result.logprobs is not None and result.logprobs[row] is not None:
-                    run.logprobs.extend(result.logprobs[row])
+                    run.logprobs.append(result.logprobs[row].logprob)
                 if len(run.output) >= run.params.max_tokens:
                     finished.add(rid)
             for rid in finished:

@@ -251,8 +251,8 @@ class AsyncLLM:
                 continue
             request.arrival_time = stream.arrival
             self.num_prompt_tokens += len(command.token_ids)
-            self._tracked[stream.request_id] = _Tracked(stream, request,
-                                                        StreamText(self.tokenizer))
+            text = StreamText(self.tokenizer, command.params.skip_special_tokens)
+            self._tracked[stream.request_id] = _Tracked(stream, request, text)
 
     def _publish(self) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[Any]] = {}

@@ -4,10 +4,12 @@
 
     add_request ─> Scheduler.schedule() ─> SchedulerOutput (step N)
                         │ execute_model(step N)   (forward on every worker)
-                        │ sample_tokens(None)     (the output rank replies)
+                        │ sample_tokens(grammar)  (the output rank replies; grammar:
+                        │                          bitmasks of constrained requests, or None)
                         ▼
                    ModelRunnerOutput ─> Scheduler.update_from_output()
                                           ─> tokens appended, stops checked
+                                          ─> automata advanced, stop strings checked
 
 Synchronous (``async_scheduling`` off): one step at a time, blocking calls.
 
@@ -61,12 +63,14 @@ from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.engine.block_manager import blocks_for
-from mpexec.engine.request import Request
+from mpexec.engine.request import FinishReason, Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
+from mpexec.engine.stop_strings import StopStringText
+from mpexec.engine.structured import StructuredOutputs
 from mpexec.errors import MpexecError, WorkerError
 from mpexec.executor import Executor
 from mpexec.executor.verdict import death_behind
-from mpexec.outputs import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from mpexec.outputs import GrammarOutput, ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +118,14 @@ class Engine:
     """Continuous batching over an executor whose workers speak the model-worker API."""
 
     def __init__(self, executor: Executor, limits: SchedulerLimits,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), *, tokenizer: Any = None,
+                 vocab_size: int | None = None) -> None:
         self.executor = executor
+        # For stop strings (decoding) and structured output (the vocabulary).
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._structured: StructuredOutputs | None = None
         self.async_scheduling = executor.scheduler_config.async_scheduling
         if self.async_scheduling and not executor.supports_async_scheduling():
             raise ValueError(
@@ -171,16 +181,45 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     req_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue a request; ValueError if it can never run (too long, empty)."""
+        """Queue a request; ValueError if it can never run (too long, empty) or
+        ``params`` do not fit the model (one request per completion: ``n`` > 1
+        is fanned out by the caller, see :func:`~mpexec.engine.request.child_params`)."""
         self._raise_if_dead()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams; got "
+                            f"{type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: add one request per completion (child_params)")
+        if self.vocab_size is not None:
+            for name, ids in (("logit_bias", params.logit_bias or {}),
+                              ("stop_token_ids", params.stop_token_ids)):
+                bad = [t for t in ids if t >= self.vocab_size]
+                if bad:
+                    raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
         if req_id is None:
             req_id = f"req-{self._next_id}"
             self._next_id += 1
         request = Request(req_id, list(prompt_token_ids), params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need an engine with a tokenizer")
+            request.stop_text = StopStringText(self.tokenizer, params)
+        if params.guided_decoding is not None:
+            request.grammar = self._structured_outputs().guide(params.guided_decoding)
         self.scheduler.add_request(request)
         return request
+
+    def _structured_outputs(self) -> StructuredOutputs:
+        if self._structured is None:
+            if self.tokenizer is None or self.vocab_size is None or not self.eos_token_ids:
+                raise ValueError("structured output needs an engine with a tokenizer, "
+                                 "the model's vocab_size and an EOS token")
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                 self.eos_token_ids[0])
+        return self._structured
 
     def abort_request(self, req_id: str) -> Request | None:
         return self.scheduler.abort_request(req_id)
@@ -256,17 +295,29 @@ class Engine:
         unfinished = len(self.scheduler.requests)
         return max(1, -(-unfinished // self.max_steps_in_flight))
 
+    def _grammar(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The allowed-token bitmasks of the constrained requests that sample now."""
+        if self._structured is None:
+            return None
+        constrained = [r for r in self.scheduler.sampling_requests(scheduler_output.step)
+                       if r.grammar is not None]
+        if not constrained:
+            return None
+        return self._structured.grammar_output([r.req_id for r in constrained],
+                                               [r.grammar for r in constrained])
+
     def _dispatch(self, scheduler_output: SchedulerOutput) -> None:
         self.stats.steps += 1
         self.stats.scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         cache_stats = self.scheduler.blocks.stats
         self.stats.prefix_cache_queries = cache_stats.queries
         self.stats.prefix_cache_hits = cache_stats.hits
+        grammar = self._grammar(scheduler_output)
         if not self.async_scheduling:
             started = time.perf_counter()
             self._dispatching = scheduler_output
             executed: Any = self.executor.execute_model(scheduler_output)
-            sampled: Any = self.executor.sample_tokens(None)
+            sampled: Any = self.executor.sample_tokens(grammar)
             self._dispatching = None
             elapsed = time.perf_counter() - started
             result = executed if executed is not None else sampled
@@ -274,7 +325,7 @@ class Engine:
             self._in_flight.append(_InFlight(scheduler_output, None, None, result))
             return
         executed_f: Any = self.executor.execute_model(scheduler_output, non_block=True)
-        sampled_f: Any = self.executor.sample_tokens(None, non_block=True)
+        sampled_f: Any = self.executor.sample_tokens(grammar, non_block=True)
         self._in_flight.append(_InFlight(scheduler_output, executed_f, sampled_f))
 
     def _record_sync_step(self, elapsed: float, result: Any) -> None:
@@ -296,7 +347,23 @@ class Engine:
         self._in_flight.popleft()
         changed = self.scheduler.update_from_output(item.scheduler_output, result)
         self.stats.sampled_tokens += sum(1 for r in changed if r.output_token_ids)
+        for request in changed:
+            if request.grammar is not None and not request.is_finished:
+                request.grammar.advance(request.output_token_ids[-1], return_tokens=False)
+            if request.stop_text is not None:
+                self._check_stop_strings(request)
         return changed
+
+    def _check_stop_strings(self, request: Request) -> None:
+        text: StopStringText = request.stop_text
+        stop = text.add(request.output_token_ids[text.num_tokens:])
+        if stop is None:
+            return
+        if request.is_finished:  # the same token also hit EOS or max_tokens
+            request.finish_reason = FinishReason.STOP
+            request.stop_reason = stop
+        else:
+            self.scheduler.finish_request(request.req_id, FinishReason.STOP, stop)
 
     # -- failure and end ------------------------------------------------------------
 

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -48,20 +50,27 @@ from mpexec.config import (
     distributed_backend_for,
 )
 from mpexec.engine.engine import Engine
-from mpexec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mpexec.engine.request import Request
+from mpexec.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from mpexec.engine.request import Request, child_params
 from mpexec.engine.scheduler import SchedulerLimits
 from mpexec.engine.stream_text import StreamText
 from mpexec.engine.validation import check_int, check_params, prepare_prompt
 from mpexec.executor import Executor
-from mpexec.outputs import SamplingParams
+from mpexec.outputs import LogprobsRow, SamplingParams
 from mpexec.system.procs import usable_cpus
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
-# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": text).
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]} (optionally
+# with "prompt": text).
 PromptType = str | dict[str, Any]
 ProgressCallback = Callable[[int, int, int], None]
 
@@ -110,7 +119,7 @@ class LLM:
         num_threads: int | None = None,
         worker_cls: str | type = MODEL_WORKER,
         worker_kwargs: dict[str, Any] | None = None,
-        tokenizer: TokenizerLike | None = None,
+        tokenizer: TokenizerLike | str | os.PathLike[str] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         **executor_fields: Any,
     ) -> None:
@@ -184,6 +193,9 @@ class LLM:
         executor = Executor.get_class(config_obj)(config_obj)
         try:
             model_max_len = max_model_len
+            if isinstance(tokenizer, (str, os.PathLike)):
+                tokenizer = _load_tokenizer(tokenizer)
+            assert not isinstance(tokenizer, (str, os.PathLike))
             if is_model_worker:
                 config, loaded = _open_model(path)
                 tokenizer = tokenizer or loaded
@@ -202,7 +214,8 @@ class LLM:
                                      enable_prefix_caching=enable_prefix_caching,
                                      prefix_cache_namespace=f"{model}|{dtype}",
                                      kv_transfer_config=connector)
-            self._engine = Engine(executor, limits, eos)
+            self._engine = Engine(executor, limits, eos, tokenizer=tokenizer,
+                                  vocab_size=self.vocab_size)
         except BaseException:
             executor.shutdown()
             raise
@@ -217,25 +230,36 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------
 
+    def get_tokenizer(self) -> TokenizerLike:
+        """The tokenizer prompts are encoded and outputs decoded with."""
+        return self.tokenizer
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: ProgressCallback | None = None) -> list[RequestOutput]:
+                 progress: ProgressCallback | None = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; one finished output per prompt, in order.
 
-        ``progress(finished, total, generated_tokens)`` is called as tokens arrive.
+        ``progress(finished, total, generated_tokens)`` is called as tokens
+        arrive; ``use_tqdm`` shows a progress bar on stderr.
         """
-        requests = self._add(self._prompts(prompts), sampling_params)
-        total = len(requests)
+        groups = self._add(self._prompts(prompts), sampling_params)
+        requests = [r for g in groups for r in g.children]
+        bar = _ProgressBar(len(groups)) if use_tqdm else None
         try:
             for _ in self._run(requests):
+                done = sum(g.finished for g in groups)
+                if bar is not None:
+                    bar.update(done)
                 if progress is not None:
-                    progress(sum(r.is_finished for r, _ in requests), total,
-                             sum(len(r.output_token_ids) for r, _ in requests))
+                    progress(done, len(groups), sum(len(r.output_token_ids) for r in requests))
         finally:
+            if bar is not None:
+                bar.close()
             # A progress callback that raised, or Ctrl-C between steps: the
             # requests must not stay in the batch of every later call.
             self._abort_unfinished(requests)
-        return [self._output(r, text) for r, text in requests]
+        return [self._group_output(g) for g in groups]
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -243,43 +267,85 @@ class LLM:
         """Partial outputs as tokens arrive; each request's last one has ``finished``.
 
         The text grows by the characters the new tokens complete (only they
-        are decoded); bytes of a character still unfinished are held back.
+        are decoded); bytes of a character still unfinished are held back,
+        and so is a tail that could be the start of one of its stop strings.
         """
-        requests = self._add(self._prompts(prompts), sampling_params)
-        texts = {r.req_id: text for r, text in requests}
-        decoders = {r.req_id: StreamText(self.tokenizer) for r, _ in requests}
+        groups = self._add(self._prompts(prompts), sampling_params)
+        requests = [r for g in groups for r in g.children]
+        owner = {r.req_id: g for g in groups for r in g.children}
+        decoders = {r.req_id: StreamText(self.tokenizer, r.sampling_params.skip_special_tokens)
+                    for r in requests}
         try:
             for changed in self._run(requests):
                 for request in changed:
-                    text = decoders[request.req_id].update(request.output_token_ids,
-                                                           request.is_finished)
-                    yield self._output(request, texts[request.req_id], text)
+                    decoders[request.req_id].update(request.output_token_ids,
+                                                    request.is_finished)
+                for group in dict.fromkeys(owner[r.req_id] for r in changed):
+                    yield self._group_output(group, {r.req_id: decoders[r.req_id].text
+                                                     for r in group.children})
         finally:
             # A caller that stops reading early must not leave its requests running.
             self._abort_unfinished(requests)
 
-    def _abort_unfinished(self, requests: list[tuple[Request, str | None]]) -> None:
+    def _abort_unfinished(self, requests: list[Request]) -> None:
         if self._engine is not None and not self._engine.is_dead:
-            for request, _ in requests:
+            for request in requests:
                 if not request.is_finished:
                     self._engine.abort_request(request.req_id)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             progress: ProgressCallback | None = None) -> list[RequestOutput]:
-        """Generate a reply to one conversation, or to each of several."""
-        return self.generate(self.chat_prompts(messages), sampling_params, progress)
+             progress: ProgressCallback | None = None, *, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate a reply to one conversation, or to each of several.
 
-    def chat_prompts(self, messages: list[Message] | Sequence[list[Message]],
-                     ) -> list[dict[str, Any]]:
-        """Token prompts built with the checkpoint's chat template."""
+        ``chat_template`` replaces the checkpoint's template;
+        ``continue_final_message`` leaves the last message open so the model
+        continues it (it needs ``add_generation_prompt=False``).
+        """
+        prompts = self.chat_prompts(messages, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+        return self.generate(prompts, sampling_params, progress, use_tqdm=use_tqdm)
+
+    def chat_prompts(self, messages: list[Message] | Sequence[list[Message]], *,
+                     chat_template: str | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> list[dict[str, Any]]:
+        """Token prompts built with the checkpoint's chat template (or ``chat_template``)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            ids = self.tokenizer.apply_chat_template(list(conversation),  # type: ignore[arg-type]
-                                                     add_generation_prompt=True)
+            turns: list[Message] = list(conversation)  # type: ignore[arg-type]
+            if chat_template is None and not continue_final_message:
+                ids = self.tokenizer.apply_chat_template(
+                    turns, add_generation_prompt=add_generation_prompt)
+            else:
+                ids = self._render_chat(turns, chat_template, add_generation_prompt,
+                                        continue_final_message)
             prompts.append({"prompt_token_ids": ids})
         return prompts
+
+    def _render_chat(self, conversation: list[Message], chat_template: str | None,
+                     add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        render = getattr(self.tokenizer, "chat_prompt", None)
+        if render is None:
+            raise ValueError("chat_template= and continue_final_message= need the "
+                             "checkpoint's tokenizer")
+        text: str = render(conversation, add_generation_prompt=add_generation_prompt,
+                           template=chat_template)
+        if continue_final_message:
+            # As transformers does: cut the rendering right after the last
+            # message's content, dropping the end-of-turn markup after it.
+            final = str(conversation[-1].get("content", "")).strip() if conversation else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not render "
+                                 "the final message's content as it is")
+            text = text[:at + len(final)]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[call-arg]
 
     def _prompts(self, prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if prompts is None or isinstance(prompts, (str, bytes, bytearray, dict)):
@@ -287,8 +353,7 @@ class LLM:
         return list(prompts)
 
     def _add(self, prompts: list[PromptType],
-             params: SamplingParams | Sequence[SamplingParams] | None,
-             ) -> list[tuple[Request, str | None]]:
+             params: SamplingParams | Sequence[SamplingParams] | None) -> list[_Group]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -305,13 +370,17 @@ class LLM:
         for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             where = index if several else None
             checked.append((*self._tokenize(prompt, where), check_params(p, where)))
-        added: list[tuple[Request, str | None]] = []
+        added: list[_Group] = []
         try:
             for text, ids, p in checked:
-                added.append((self.engine.add_request(ids, p), text))
+                group = _Group(text, [])
+                added.append(group)
+                for child in child_params(p):  # n completions: one request each
+                    group.children.append(self.engine.add_request(ids, child))
         except BaseException:
-            for request, _ in added:
-                self.engine.abort_request(request.req_id)
+            for group in added:
+                for request in group.children:
+                    self.engine.abort_request(request.req_id)
             raise
         return added
 
@@ -319,7 +388,7 @@ class LLM:
         return prepare_prompt(prompt, self.tokenizer.encode, self.vocab_size,
                               self.engine.limits.max_model_len, index)
 
-    def _run(self, requests: list[tuple[Request, str | None]]) -> Iterator[list[Request]]:
+    def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
         """Step until ``requests`` finish; after each step, those of them that changed.
 
         Whoever drives a step (another ``generate_stream`` of this LLM, say),
@@ -327,11 +396,11 @@ class LLM:
         last handed out, so a request that finished in someone else's step
         still yields its final state.
         """
-        seen = {r.req_id: (0, False) for r, _ in requests}
+        seen = {r.req_id: (0, False) for r in requests}
 
         def changed() -> list[Request]:
             fresh = []
-            for request, _ in requests:
+            for request in requests:
                 state = (len(request.output_token_ids), request.is_finished)
                 if state != seen[request.req_id]:
                     seen[request.req_id] = state
@@ -339,11 +408,11 @@ class LLM:
             return fresh
 
         def raise_failed() -> None:
-            for request, _ in requests:
+            for request in requests:
                 if request.error is not None:
                     raise request.error
 
-        while any(not r.is_finished for r, _ in requests):
+        while any(not r.is_finished for r in requests):
             self.engine.step()
             raise_failed()
             mine = changed()
@@ -354,30 +423,75 @@ class LLM:
         if mine:
             yield mine
 
-    def _output(self, request: Request, prompt: str | None,
-                text: str | None = None) -> RequestOutput:
-        tokens = list(request.output_token_ids)
-        reason = request.finish_reason.value if request.finish_reason is not None else None
-        if text is None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        completion = CompletionOutput(
-            index=0, text=text,
-            token_ids=tokens, finish_reason=reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs else None)
+    def _group_output(self, group: _Group,
+                      texts: dict[str, str] | None = None) -> RequestOutput:
+        """One prompt's output: a completion per request of the group (``texts``:
+        their streamed texts; else each is decoded whole)."""
+        first = group.children[0]
         offset = self._clock_offset
 
         def wall(t: float | None) -> float | None:
             return None if t is None else t + offset
 
+        first_tokens = [r.first_token_time for r in group.children
+                        if r.first_token_time is not None]
+        finish_times = [r.finish_time for r in group.children]
         metrics = RequestMetrics(
-            arrival_time=request.arrival_time + offset,
-            first_token_time=wall(request.first_token_time),
-            finish_time=wall(request.finish_time))
+            arrival_time=first.arrival_time + offset,
+            first_token_time=wall(min(first_tokens)) if first_tokens else None,
+            finish_time=wall(max(t for t in finish_times if t is not None))
+            if None not in finish_times else None)
+        completions = [self._completion(i, r, texts[r.req_id] if texts else None)
+                       for i, r in enumerate(group.children)]
         return RequestOutput(
-            request_id=request.req_id, prompt=prompt,
-            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
-            finished=request.is_finished, metrics=metrics,
-            num_preemptions=request.num_preemptions)
+            request_id=first.req_id, prompt=group.prompt,
+            prompt_token_ids=list(first.prompt_token_ids), outputs=completions,
+            finished=group.finished, metrics=metrics,
+            num_preemptions=sum(r.num_preemptions for r in group.children),
+            prompt_logprobs=self._prompt_logprobs(first))
+
+    def _output(self, request: Request, prompt: str | None,
+                text: str | None = None) -> RequestOutput:
+        """The output of one request (``text``: its streamed text, else decoded)."""
+        return self._group_output(_Group(prompt, [request]),
+                                  None if text is None else {request.req_id: text})
+
+    def _completion(self, index: int, request: Request, text: str | None) -> CompletionOutput:
+        params = request.sampling_params
+        tokens = list(request.output_token_ids)
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        if request.stop_text is not None:  # stop strings: their text, held back while running
+            text = request.stop_text.final() if request.is_finished else request.stop_text.visible
+        elif text is None:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+        logprobs = None
+        if params.logprobs is not None:
+            done = request.logprob_dicts
+            done.extend(self._position_logprobs(row)
+                        for row in request.output_logprobs[len(done):])
+            logprobs = list(done)
+        return CompletionOutput(
+            index=index, text=text, token_ids=tokens, finish_reason=reason,
+            logprobs=logprobs,
+            cumulative_logprob=request.cumulative_logprob if logprobs is not None else None,
+            stop_reason=request.stop_reason)
+
+    def _prompt_logprobs(self, request: Request) -> list[PositionLogprobs | None] | None:
+        if request.sampling_params.prompt_logprobs is None:
+            return None
+        return [None, *(self._position_logprobs(row) for row in request.prompt_logprobs)]
+
+    def _position_logprobs(self, row: LogprobsRow) -> PositionLogprobs:
+        """vLLM's shape: token id -> Logprob, the top-k (ranks 1..k) and the chosen token."""
+        def text(token: int) -> str:
+            return self.tokenizer.decode([token], skip_special_tokens=False)
+
+        out = {token: Logprob(lp, rank, text(token))
+               for rank, (token, lp) in enumerate(zip(row.top_ids, row.top_logprobs,
+                                                      strict=True), start=1)}
+        if row.token_id not in out:
+            out[row.token_id] = Logprob(row.logprob, row.rank, text(row.token_id))
+        return out
 
     # -- end --------------------------------------------------------------------------
 
@@ -392,6 +506,49 @@ class LLM:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.shutdown()
+
+
+@dataclass(eq=False)
+class _Group:
+    """The requests of one prompt (``SamplingParams.n`` of them)."""
+
+    prompt: str | None
+    children: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.children)
+
+
+class _ProgressBar:
+    """``use_tqdm``'s bar: one line on stderr, rewritten as prompts finish.
+
+    (tqdm itself would allocate a multiprocessing lock, a named semaphore,
+    in the driver; this needs nothing.)
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.started = time.monotonic()
+        self._write()
+
+    def update(self, done: int) -> None:
+        if done != self.done:
+            self.done = done
+            self._write()
+
+    def _write(self) -> None:
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        elapsed = time.monotonic() - self.started
+        sys.stderr.write(f"\rProcessed prompts: [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} {elapsed:.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def _check_arguments(**values: Any) -> None:
@@ -457,6 +614,21 @@ def _resolve(model: str | os.PathLike[str]) -> Any:
 
     fetch = importlib.import_module("mpexec.models.fetch")
     return fetch.resolve_model(str(model))
+
+
+def _load_tokenizer(spec: str | os.PathLike[str]) -> Any:
+    """A tokenizer from a checkpoint directory (tokenizer.json) or a .gguf file."""
+    from pathlib import Path
+
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"tokenizer={str(spec)!r}: no such file or directory")
+    if path.is_file():
+        return _open_model(path)[1]
+    import importlib
+
+    tokenizer_module = importlib.import_module("mpexec.models.tokenizer")
+    return tokenizer_module.Tokenizer.from_hf_dir(path)
 
 
 def _open_model(path: Any, with_tokenizer: bool = True) -> tuple[Any, Any]:

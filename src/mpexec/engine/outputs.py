@@ -30,14 +30,34 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob, the top-k tokens and the chosen one.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    # "stop" (EOS or a stop token), "length" (max_tokens or the context full),
-    # "abort"; None while running
+    # "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the
+    # context full), "abort"; None while running
     finish_reason: str | None
-    logprobs: list[float] | None = None
+    # with SamplingParams.logprobs: one dict per output token
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    # the stop string or stop token id that ended it (None: EOS, length, abort)
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,9 @@ class RequestOutput:
     metrics: RequestMetrics
     num_preemptions: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token,
+    # then one dict per prompt token
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from mpexec.outputs import SamplingParams
+from mpexec.outputs import LogprobsRow, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +37,7 @@ class RequestStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     """Why a request ended; the values are what ``RequestOutput.finish_reason`` shows."""
 
-    STOP = "stop"  # EOS or one of the stop token ids
+    STOP = "stop"  # EOS, one of the stop token ids or a stop string
     LENGTH = "length"  # max_tokens, or the context (max_model_len) is full
     ABORT = "abort"  # the caller aborted it, or the engine failed
 
@@ -48,9 +49,15 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    # one row per output token when sampling_params.logprobs is not None
+    output_logprobs: list[LogprobsRow] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # rows for prompt positions 1.. (position 0 has none), with prompt_logprobs
+    prompt_logprobs: list[LogprobsRow] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # the stop string or stop token id that ended it (None: EOS, length, abort)
+    stop_reason: int | str | None = None
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
     # Steps scheduled with this request whose outputs have not been processed.
@@ -73,6 +80,12 @@ class Request:
     # Set when the engine failed while the request was pending.
     error: BaseException | None = None
     finish_time: float | None = None
+    # the engine's per-request helpers: stop-string text (engine.stop_strings)
+    # and the structured-output automaton (engine.structured)
+    stop_text: Any = None
+    grammar: Any = None
+    # LLM's vLLM-shaped logprob dicts built so far (a stream builds each once)
+    logprob_dicts: list[Any] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,3 +112,14 @@ class Request:
         if position < self.num_tokens:
             return self.output_token_ids[position - prompt_len]
         return None
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of one prompt: ``params.n`` of them, each with ``n=1``;
+    with a seed, completion ``i`` uses ``seed + i`` (its own noise stream)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams; got {type(params).__name__}")
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]

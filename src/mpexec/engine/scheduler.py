@@ -75,6 +75,7 @@ from mpexec.models.kv_connector import (
 )
 from mpexec.outputs import (
     PLACEHOLDER_TOKEN_ID,
+    LogprobsRow,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -178,6 +179,10 @@ class Scheduler:
     def num_steps_in_flight(self) -> int:
         return len(self._in_flight)
 
+    def sampling_requests(self, step: int) -> list[Request]:
+        """The requests that sample in ``step`` (scheduled, not yet applied)."""
+        return [item.request for item in self._in_flight[step] if item.samples]
+
     # -- one step ----------------------------------------------------------------
 
     def schedule(self, allow_placeholders: bool = True,
@@ -267,16 +272,26 @@ class Scheduler:
         self._next_step += 1
         return output
 
-    @staticmethod
-    def _new_request_data(request: Request) -> NewRequestData:
+    def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(req_id=request.req_id, prompt_token_ids=request.all_token_ids,
                               sampling_params=request.sampling_params,
-                              block_ids=list(request.block_ids))
+                              block_ids=list(request.block_ids),
+                              num_prompt_tokens=len(request.prompt_token_ids),
+                              min_tokens_stop_ids=self._min_tokens_stop_ids(request))
+
+    def _min_tokens_stop_ids(self, request: Request) -> list[int]:
+        params = request.sampling_params
+        if len(request.output_token_ids) >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return list(dict.fromkeys([*eos, *params.stop_token_ids]))
+
 
     # -- KV connector -------------------------------------------------------------------
 
     def _external_tokens(self, request: Request, num_cached: int) -> int:
-        if self.connector is None or request.skip_kv_load:
+        if (self.connector is None or request.skip_kv_load
+                or request.sampling_params.prompt_logprobs is not None):
             return 0
         return self.connector.get_num_new_matched_tokens(request, num_cached)
 
@@ -331,8 +346,12 @@ class Scheduler:
     # -- prefix cache -----------------------------------------------------------------
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        """The cached blocks holding ``request``'s first tokens (never its last token)."""
-        if not self._hashing:
+        """The cached blocks holding ``request``'s first tokens (never its last token).
+
+        A request that wants prompt logprobs computes its whole prompt (the
+        logits of cached positions are not kept), as it does with a connector.
+        """
+        if not self._hashing or request.sampling_params.prompt_logprobs is not None:
             return []
         usable = (request.num_tokens - 1) // self.limits.block_size
         hashes = request.block_hashes
@@ -366,7 +385,10 @@ class Scheduler:
         request.num_cached_blocks = full
 
     def _tokens_to_run(self, request: Request, budget: int, allow_placeholders: bool) -> int:
-        if request.num_steps_in_flight and not allow_placeholders:
+        # A structured-output request's next allowed tokens depend on the token
+        # in flight, so it never runs on a placeholder.
+        if request.num_steps_in_flight and (
+                not allow_placeholders or request.sampling_params.guided_decoding is not None):
             return 0
         total = request.num_tokens_with_placeholders
         outputs = len(request.output_token_ids) + request.num_output_placeholders
@@ -413,20 +435,24 @@ class Scheduler:
         if self.connector is not None and kv is not None:
             self._finish_loads(kv)
         sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
+        logprobs: dict[str, LogprobsRow] = {}
+        prompt_logprobs: dict[str, tuple[int, list[LogprobsRow]]] = {}
         if output is not None:
             for i, req_id in enumerate(output.req_ids):
                 tokens = output.sampled_token_ids[i]
                 if tokens:
                     sampled[req_id] = tokens[0]
                 row = output.logprobs[i] if output.logprobs is not None else None
-                if row:
-                    logprobs[req_id] = row[0]
+                if row is not None:
+                    logprobs[req_id] = row
+            prompt_logprobs = output.prompt_logprobs
         now = time.monotonic()
         changed = []
         for item in batch:
             request = item.request
             request.num_steps_in_flight -= 1
+            if request.req_id in prompt_logprobs:
+                _add_prompt_logprobs(request, *prompt_logprobs[request.req_id])
             if not item.samples or request.is_finished \
                     or request.epoch_step > scheduler_output.step:
                 continue
@@ -438,7 +464,9 @@ class Scheduler:
                     f"{request.req_id}, which was due to sample")
             request.output_token_ids.append(token)
             if request.req_id in logprobs:
-                request.output_logprobs.append(logprobs[request.req_id])
+                row = logprobs[request.req_id]
+                request.output_logprobs.append(row)
+                request.cumulative_logprob += row.logprob
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = self._stop_reason(request, token)
@@ -477,10 +505,12 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
+        if len(request.output_token_ids) > params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.limits.max_model_len:
@@ -492,6 +522,16 @@ class Scheduler:
         self.blocks.free(request.req_id, request.block_ids)
         request.block_ids = []
         request.num_cached_blocks = 0
+
+    def finish_request(self, req_id: str, reason: FinishReason,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """End a request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(req_id)
+        if request is None:
+            return None
+        request.stop_reason = stop_reason
+        self._finish(request, reason)
+        return request
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if self.connector is not None and not request.is_finished:
@@ -512,3 +552,12 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = time.monotonic()
         self.requests.pop(request.req_id, None)
+
+
+def _add_prompt_logprobs(request: Request, first_position: int, rows: list[LogprobsRow]) -> None:
+    """Append the rows that continue the request's prompt logprobs (a chunk
+    recomputed after a preemption repeats rows already there)."""
+    have = len(request.prompt_logprobs) + 1  # position of the next row wanted
+    skip = have - first_position
+    if 0 <= skip < len(rows):
+        request.prompt_logprobs.extend(rows[skip:])

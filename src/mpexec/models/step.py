@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from mpexec.models.kv_cache import ScheduledRequest
-from mpexec.models.sampler import SampleRequest
+from mpexec.models.sampler import SampleRequest, TokenHistory
 from mpexec.outputs import PLACEHOLDER_TOKEN_ID, SamplingParams, SchedulerOutput
 
 
@@ -31,10 +31,24 @@ class RequestState:
     req_id: str
     params: SamplingParams
     seed: int
-    prompt_len: int
+    prompt_len: int  # tokens sent as the prompt (after preemption: with outputs so far)
     block_ids: list[int]
     # every token known so far: prompt, then what was scheduled or sampled
     token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # the request's own prompt
+    min_tokens_stop_ids: tuple[int, ...] = ()
+    history: TokenHistory | None = None  # for penalties only
+
+
+@dataclass
+class PromptLogprobsRows:
+    """Rows of a step whose logits score prompt tokens (``prompt_logprobs``)."""
+
+    req_id: str
+    first_position: int  # position of the token that the first row scores
+    rows: list[int]
+    targets: list[int]
+    top_k: int
 
 
 @dataclass
@@ -45,6 +59,7 @@ class PreparedStep:
     sample_rows: list[int]  # row of the last token of each request that samples
     sample_req_ids: list[str]
     sample_requests: list[SampleRequest]
+    prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
 
 
 class RequestTable:
@@ -58,11 +73,17 @@ class RequestTable:
         new_ids = set()
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
-            self.requests[new.req_id] = RequestState(
+            num_prompt = len(new.prompt_token_ids) if new.num_prompt_tokens is None \
+                else new.num_prompt_tokens
+            state = RequestState(
                 req_id=new.req_id, params=params,
                 seed=self._unseeded(new.req_id) if params.seed is None else params.seed,
                 prompt_len=len(new.prompt_token_ids), block_ids=list(new.block_ids),
-                token_ids=list(new.prompt_token_ids))
+                token_ids=list(new.prompt_token_ids), num_prompt_tokens=num_prompt,
+                min_tokens_stop_ids=tuple(new.min_tokens_stop_ids))
+            if params.has_penalties:
+                state.history = TokenHistory(state.token_ids, num_prompt)
+            self.requests[new.req_id] = state
             new_ids.add(new.req_id)
         for req_id, blocks in scheduler_output.new_block_ids.items():
             if req_id not in new_ids:
@@ -110,11 +131,28 @@ class RequestTable:
                 step.positions.append(position)
             step.layout.append(ScheduledRequest(state.block_ids, start, len(tokens)))
             end = start + len(tokens)
+            if state.params.prompt_logprobs is not None:
+                self._prompt_rows(step, state, start, end)
             if end >= state.prompt_len:
                 step.sample_rows.append(len(step.token_ids) - 1)
                 step.sample_req_ids.append(req_id)
-                step.sample_requests.append(SampleRequest(state.params, state.seed, end))
+                step.sample_requests.append(SampleRequest(
+                    state.params, state.seed, end,
+                    num_output_tokens=end - state.num_prompt_tokens,
+                    min_tokens_stop_ids=state.min_tokens_stop_ids, history=state.history))
         return step
+
+    @staticmethod
+    def _prompt_rows(step: PreparedStep, state: RequestState, start: int, end: int) -> None:
+        """The row of position p scores the prompt token at p + 1."""
+        last = min(end, state.num_prompt_tokens - 1)  # positions start .. last - 1
+        if last <= start:
+            return
+        first_row = len(step.token_ids) - (end - start)
+        count = last - start
+        step.prompt_logprobs.append(PromptLogprobsRows(
+            state.req_id, start + 1, list(range(first_row, first_row + count)),
+            state.token_ids[start + 1:last + 1], state.params.prompt_logprobs or 0))
 
     def record_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
         for req_id, token in zip(req_ids, tokens, strict=True):

@@ -112,15 +112,20 @@ class Tokenizer:
     # ── chat ─────────────────────────────────────────────────────────────
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    **extra: Any) -> str:
-        if self.chat_template is None:
-            raise ValueError(f"{self.source}: the checkpoint has no chat template")
-        if self._render is None:
-            self._render = _compile_template(self.chat_template)
+                    template: str | None = None, **extra: Any) -> str:
+        """The conversation rendered by the checkpoint's template (or ``template``)."""
+        if template is not None:
+            render = _compile_template(template)
+        else:
+            if self.chat_template is None:
+                raise ValueError(f"{self.source}: the checkpoint has no chat template")
+            if self._render is None:
+                self._render = _compile_template(self.chat_template)
+            render = self._render
         variables = {key: value for key, value in self.special_tokens.items()
                      if value is not None}
-        return self._render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                            **variables, **extra)
+        return render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                      **variables, **extra)
 
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True, **extra: Any) -> list[int]:

@@ -35,11 +35,12 @@ initialises ``torch.distributed`` (so in-process executors can coexist).
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,14 @@ from mpexec.models.kv_connector import (
 from mpexec.models.layers.parallel import SingleRankGroup
 from mpexec.models.llama import LlamaStage, load_stage
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
-from mpexec.models.sampler import SampleRequest, sample, unpack_bitmask
+from mpexec.models.sampler import SampleRequest, logprob_rows, sample, unpack_bitmask
 from mpexec.models.sharding import pipeline_layers, rank_share
-from mpexec.models.step import RequestTable
+from mpexec.models.step import PreparedStep, PromptLogprobsRows, RequestTable
 from mpexec.outputs import (
     DraftTokenIds,
     GrammarOutput,
     KVConnectorOutput,
+    LogprobsRow,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -110,6 +112,8 @@ class PendingStep:
     requests: list[SampleRequest]
     logits: torch.Tensor | None
     execute_s: float
+    prompt_rows: list[PromptLogprobsRows] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelWorker(WorkerBase):
@@ -327,6 +331,27 @@ class ModelWorker(WorkerBase):
                   else torch.empty((0, vocab), dtype=torch.float32, device=device))
         return gather_rows(logits, self.pcp_group, counts)
 
+    def _run_with_prompt_rows(self, step: PreparedStep, prompt_rows: list[int],
+                              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the sampled rows and of the prompt-logprob rows.
+
+        The stage computes them for the rows in ascending order (a PCP split
+        gathers them rank by rank, i.e. in row order) and they are put back
+        in request order here.
+        """
+        assert self.cache is not None
+        rows = step.sample_rows + prompt_rows
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        logits = self._run_stage(step.token_ids, step.positions, step.layout,
+                                 [rows[i] for i in order], self.cache)
+        if logits is None:
+            return None, None
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        logits = logits[inverse.to(logits.device)]
+        count = len(step.sample_rows)
+        return logits[:count], logits[count:]
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         started = time.perf_counter()
@@ -345,20 +370,25 @@ class ModelWorker(WorkerBase):
         if step.positions and max(step.positions) >= (self.max_model_len or 0):
             raise ValueError(f"position {max(step.positions)} is beyond max_model_len "
                              f"{self.max_model_len}")
-        logits = None
+        logits = prompt_logits = None
         connector = self.connector
         if connector is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
             connector.start_load_kv()
         if step.token_ids:
-            logits = self._run_stage(step.token_ids, step.positions, step.layout,
-                                     step.sample_rows, self.cache)
+            prompt_rows = [row for p in step.prompt_logprobs for row in p.rows]
+            if not prompt_rows:
+                logits = self._run_stage(step.token_ids, step.positions, step.layout,
+                                         step.sample_rows, self.cache)
+            else:
+                logits, prompt_logits = self._run_with_prompt_rows(step, prompt_rows)
         if connector is not None:
             connector.wait_for_save()
             connector.clear_connector_metadata()
         if self.is_last_stage:
             self.pending.append(PendingStep(step.sample_req_ids, step.sample_requests, logits,
-                                            time.perf_counter() - started))
+                                            time.perf_counter() - started,
+                                            step.prompt_logprobs, prompt_logits))
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
@@ -373,7 +403,7 @@ class ModelWorker(WorkerBase):
             raise RuntimeError("sample_tokens() without a step from execute_model()")
         pending = self.pending.popleft()
         tokens: list[int] = []
-        logprobs: list[float] | None = None
+        logprobs: list[LogprobsRow | None] | None = None
         if pending.logits is not None and pending.req_ids:
             allowed = self._grammar_mask(grammar_output, pending)
             tokens, logprobs = sample(pending.logits, pending.requests, allowed)
@@ -381,15 +411,22 @@ class ModelWorker(WorkerBase):
         self.last_sampled_req_ids = pending.req_ids
         if not self.is_output_rank:
             return None if kv_output is None else ModelRunnerOutput(kv_connector_output=kv_output)
-        per_request: list[list[float] | None] | None = None
-        if logprobs is not None:
-            per_request = [[lp] if r.params.logprobs else None
-                           for lp, r in zip(logprobs, pending.requests, strict=True)]
         return ModelRunnerOutput(
             req_ids=list(pending.req_ids), sampled_token_ids=[[t] for t in tokens],
-            logprobs=per_request, kv_connector_output=kv_output,
+            logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(pending),
+            kv_connector_output=kv_output,
             extra={"worker_execute_s": pending.execute_s,
                    "worker_sample_s": time.perf_counter() - started})
+
+    @staticmethod
+    def _prompt_logprobs(pending: PendingStep) -> dict[str, tuple[int, list[LogprobsRow]]]:
+        if pending.prompt_logits is None:
+            return {}
+        targets = [t for p in pending.prompt_rows for t in p.targets]
+        top_k = [p.top_k for p in pending.prompt_rows for _ in p.rows]
+        rows = iter(logprob_rows(pending.prompt_logits, targets, top_k))
+        return {p.req_id: (p.first_position, [next(rows) for _ in p.rows])
+                for p in pending.prompt_rows}
 
     def _grammar_mask(self, grammar_output: GrammarOutput | None,
                       pending: PendingStep) -> torch.Tensor | None:
@@ -397,7 +434,11 @@ class ModelWorker(WorkerBase):
             return None
         assert pending.logits is not None
         vocab = pending.logits.shape[-1]
-        rows = unpack_bitmask(grammar_output.grammar_bitmask, vocab, pending.logits.device)
+        bitmask = grammar_output.grammar_bitmask
+        if isinstance(bitmask, (bytes, bytearray, array.array)):  # the engine sends array('i')
+            count = len(grammar_output.structured_output_request_ids)
+            bitmask = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).reshape(count, -1)
+        rows = unpack_bitmask(bitmask, vocab, pending.logits.device)
         allowed = torch.ones_like(pending.logits, dtype=torch.bool)
         index = {req_id: i for i, req_id in enumerate(pending.req_ids)}
         for row, req_id in enumerate(grammar_output.structured_output_request_ids):
