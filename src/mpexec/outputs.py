@@ -8,7 +8,9 @@ transfer information of the replies (:class:`KVOutputAggregator`).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -60,6 +62,17 @@ class GuidedDecodingParams:
                              f"got {type(self.json).__name__}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"guided_decoding.regex must be a string; got {self.regex!r}")
+        if self.regex is not None:
+            try:  # the grammar library's syntax is a subset: caught early, caught cheaply
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"guided_decoding.regex is not a valid regular expression: "
+                                 f"{exc}") from None
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"guided_decoding.json is not valid JSON: {exc}") from None
         if self.choice is not None and (
                 not isinstance(self.choice, (list, tuple)) or not self.choice
                 or not all(isinstance(c, str) and c for c in self.choice)):

@@ -58,7 +58,7 @@ def test_normalised_forms() -> None:
 
 
 @pytest.mark.parametrize("fields", [{}, {"json": {}, "regex": "a"}, {"choice": []},
-                                    {"regex": 5}])
+                                    {"regex": 5}, {"regex": "(a"}, {"json": "{not json"}])
 def test_guided_decoding_needs_exactly_one_valid_constraint(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="guided_decoding"):
         GuidedDecodingParams(**fields)

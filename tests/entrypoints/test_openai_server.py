@@ -272,3 +272,20 @@ def test_the_readme_client_example_runs(server: ServerProcess) -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_structured_output_through_response_format_and_guided_fields(client: Any) -> None:
+    import json
+
+    pytest.importorskip("outlines_core")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=32,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "answer", "schema": schema}})
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)
+    choice = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                       temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match=r"guided_decoding\.regex"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "(a"})

@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpexec.outputs import SamplingParams
+from mpexec.engine.structured import guided_from_response_format
+from mpexec.outputs import GuidedDecodingParams, SamplingParams
 
 SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
@@ -75,6 +76,11 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    # structured output: OpenAI's response_format, or vLLM's guided_* fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -181,9 +187,22 @@ def sampling_params(request: _Request, max_tokens: int | None,
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     try:
+        guided = _guided(request)
+        if guided is not None:
+            values["guided_decoding"] = guided
         return SamplingParams(**values)
     except (ValueError, TypeError) as exc:
         raise ApiError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+def _guided(request: _Request) -> GuidedDecodingParams | None:
+    """The request's output constraint: ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` (at most one), else ``response_format``."""
+    given = {name: getattr(request, f"guided_{name}") for name in ("json", "regex", "choice")
+             if getattr(request, f"guided_{name}") is not None}
+    if given:
+        return GuidedDecodingParams(**given)
+    return guided_from_response_format(request.response_format)
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:
