@@ -83,6 +83,6 @@ def test_prompt_forms_tokenizer_chat_options_and_progress_bar(
             chat, add_generation_prompt=False)
         with pytest.raises(ValueError, match="add_generation_prompt=False"):
             llm.chat(chat, params, continue_final_message=True)
-        with pytest.raises(ValueError, match="'prompt_token_ids'.* or 'prompt'"):
+        with pytest.raises(ValueError, match=r"'prompt_token_ids'.* or 'prompt'"):
             llm.generate({"text": PROMPT}, params)
     assert "2/2" in capsys.readouterr().err
