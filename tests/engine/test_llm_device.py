@@ -33,6 +33,8 @@ def recorded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
     """LLM(...) -> the ExecutorConfig it would have started workers with."""
     monkeypatch.setattr(Executor, "get_class", staticmethod(_record))
     monkeypatch.setattr(llm_module, "_resolve", lambda model: str(model))
+    # no checkpoint behind the path: the context-length check reads none
+    monkeypatch.setattr(llm_module, "_check_model_len", lambda path, max_model_len: 101)
 
     def build(**kwargs: Any) -> ExecutorConfig:
         with pytest.raises(_Recorded) as info:
