@@ -2,8 +2,9 @@
 
 Start-up, in the child (``worker_main(spec)``)::
 
-    lead a new process group; arm the parent-death signal (SIGTERM) when asked
     install SIGTERM/SIGINT handlers (each turns into one SystemExit)
+    set the process title (``mpexec::Worker_TP1``), before anything else
+    lead a new process group; arm the parent-death signal (SIGTERM) when asked
     close the siblings' pipe ends inherited through fork; thread counts; pin CPUs
     start the death-pipe watcher (``watcher``)
     WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
@@ -98,9 +99,7 @@ class WorkerProc:
     def _start(self) -> None:
         spec = self.spec
         self.worker.init_worker_from_context(spec.context)
-        name = worker_name(self.rank, self.config.parallel)
-        set_process_title(name)
-        decorate_logs(name)
+        decorate_logs(worker_name(self.rank, self.config.parallel))
         with self.tracer.span("worker.init_device", rank=self.rank):
             self.worker.init_device()
         with self.tracer.span("worker.load_model", rank=self.rank):
@@ -315,6 +314,11 @@ def worker_main(spec: WorkerSpec) -> None:
 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
+    # The title first, whatever the start method: a child of the fork server
+    # replaces its environment next, and setproctitle, once the environment
+    # has moved, no longer finds the memory it rewrites (``ps`` would show
+    # the fork server's command line).
+    set_process_title(worker_name(spec.rank, spec.config.parallel))
     _prepare_process(spec)
     ready_writer: Connection = spec.ready_pipe
     reported = False
