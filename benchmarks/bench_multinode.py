@@ -26,6 +26,7 @@ import argparse
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -273,6 +274,7 @@ def _call_until_died(executor: MultiprocExecutor, caught: threading.Event) -> No
 
 def bench_follower_kill(reps: int) -> None:
     samples = []
+    phase = random.Random(0)
     for _ in range(reps):
         port = free_port()
         follower = start_follower(port)
@@ -281,7 +283,9 @@ def bench_follower_kill(reps: int) -> None:
             caught = threading.Event()
             thread = threading.Thread(target=_call_until_died, args=(executor, caught))
             thread.start()
-            time.sleep(0.3)
+            # At a random point of the follower's heartbeat period (0.5 s):
+            # a fixed delay would always kill it at the same phase.
+            time.sleep(0.3 + phase.uniform(0.0, 0.5))
             t0 = time.perf_counter()
             kill_tree(tree_of(follower.pid))
             caught.wait(30)

@@ -175,17 +175,22 @@ class Liveness:
 
     A heartbeat thread calls :meth:`tick` once per turn of its loop, a loop
     that waits at most ``period_s`` (its poll) plus a little work.  A turn
-    that took longer means the thread itself was not running (a loaded
-    machine, a stalled GIL holder, a paused VM); that lateness is added up,
-    and :meth:`silence` subtracts from a peer's silence whatever of it fell
-    after the peer was last heard.  So a peer is never called lost for a
-    gap the observer's own absence explains; a peer silent while the
-    observer ran on time is lost after ``node_timeout_s`` as before.
+    late by more than ``jitter_s`` means the thread itself was not running
+    (a loaded machine, a stalled GIL holder, a paused VM); that lateness is
+    added up, and :meth:`silence` subtracts from a peer's silence whatever
+    of it fell after the peer was last heard.  So a peer is never called
+    lost for a gap the observer's own absence explains; a peer silent while
+    the observer ran on time is lost after ``node_timeout_s`` as before.
+    Turns late by less (waiting a few milliseconds for the GIL while the
+    caller's thread is busy, timer slack) are not counted: they would only
+    add up to a later verdict on a peer that is really gone.
     """
 
-    def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic,
+                 jitter_s: float = 0.1) -> None:
         self.period_s = period_s
         self.clock = clock
+        self.jitter_s = jitter_s
         self.late_s = 0.0  # all the lateness seen so far
         self._last: float | None = None
 
@@ -193,7 +198,9 @@ class Liveness:
         """Start a turn of the loop; returns now."""
         now = self.clock()
         if self._last is not None:
-            self.late_s += max(0.0, now - self._last - self.period_s)
+            late = now - self._last - self.period_s
+            if late > self.jitter_s:
+                self.late_s += late
         self._last = now
         return now
 
