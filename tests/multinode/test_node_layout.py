@@ -33,6 +33,10 @@ def test_layout_mismatches_are_worded_with_both_values() -> None:
     assert "node_rank 5 is out of range 1..1 (nnodes=2" in out
     assert "duplicate node rank" in (nodewire.layout_mismatch(1, 2, 2, taken=True) or "")
     assert "nnodes=?" in (nodewire.layout_mismatch(1, None, 2, taken=False) or "")
+    # Two data parallel ranks over 4 nodes: each leader has one follower.
+    assert nodewire.layout_mismatch(1, 4, 4, taken=False, followers=1) is None
+    assert "node_rank 2 is out of range 1..1 (nnodes=4" in (
+        nodewire.layout_mismatch(2, 4, 4, taken=False, followers=1) or "")
     for line in (wrong, out):
         assert len(line.encode()) < 200  # a refusal carries at most 200 bytes
 

@@ -72,7 +72,8 @@ class NodeServer:
     """The leader's node control socket; see the module docstring."""
 
     def __init__(self, secret: str, host: str, port: int, nnodes: int, local_world_size: int,
-                 heartbeat_s: float, timeout_s: float, curve: bool = False) -> None:
+                 heartbeat_s: float, timeout_s: float, curve: bool = False,
+                 cluster_nnodes: int | None = None) -> None:
         import zmq
 
         if port == 0:
@@ -103,8 +104,11 @@ class NodeServer:
         self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
                                                          (r + 1) * local_world_size))
                       for r in range(1, nnodes)}
-        # Why the last follower refused for no node of ours (a node rank out
-        # of range, or taken) was refused: named if the start times out.
+        # What a follower must say it was started with: the executor's
+        # nnodes (``nnodes`` above counts only this data parallel rank's).
+        self.cluster_nnodes = nnodes if cluster_nnodes is None else cluster_nnodes
+        # Why the last follower refused without a node of ours to blame (its
+        # node rank out of range, or taken) was refused: named on a timeout.
         self.refused_others = ""
         self._assignment_for: Callable[[int], NodeAssignment] | None = None
         self._changed = threading.Event()  # the monitor saw something: waiters look again
@@ -220,8 +224,8 @@ class NodeServer:
         # keep waiting for a follower that fits until startup_timeout_s.
         mismatch = version_mismatch(opened.parts[1] if len(opened.parts) > 1 else None,
                                     "follower", "leader") or layout_mismatch(
-            opened.rank, joined_nnodes(opened.parts), len(self.nodes) + 1,
-            taken=node is not None and node.session is not None)
+            opened.rank, joined_nnodes(opened.parts), self.cluster_nnodes,
+            taken=node is not None and node.session is not None, followers=len(self.nodes))
         if mismatch is not None:
             logger.error("a follower that asked to join as node %d was refused: %s",
                          opened.rank, mismatch)
@@ -349,7 +353,7 @@ def start_cluster(config: ExecutorConfig, life: Any) -> NodeServer:
     return NodeServer(secret, parallel.master_addr, parallel.master_port,
                       parallel.nnodes_within_dp, parallel.local_world_size,
                       config.node_heartbeat_s, config.node_timeout_s,
-                      curve=config.cluster_curve)
+                      curve=config.cluster_curve, cluster_nnodes=parallel.nnodes)
 
 
 def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,

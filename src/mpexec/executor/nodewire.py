@@ -92,20 +92,23 @@ def version_mismatch(theirs: bytes | None, their_role: str, our_role: str) -> st
 
 
 def layout_mismatch(node_rank: int, their_nnodes: int | None, our_nnodes: int,
-                    taken: bool) -> str | None:
+                    taken: bool, followers: int | None = None) -> str | None:
     """None if a follower that says ``node_rank`` of ``their_nnodes`` fits this
     leader (``taken``: a follower already joined as that node); else a line,
-    in plain words, naming both sides' values."""
+    in plain words, naming both sides' values.  ``followers``: the leader's
+    follower nodes, 1..followers (``our_nnodes - 1``; fewer when data
+    parallel ranks split the nodes)."""
+    last = our_nnodes - 1 if followers is None else followers
     if their_nnodes != our_nnodes:
         return (f"{LAYOUT_REFUSED}: the leader runs nnodes={our_nnodes}, this follower was "
                 f"started with nnodes={their_nnodes if their_nnodes is not None else '?'}; "
                 f"start it with --nnodes {our_nnodes}")
-    if not 0 < node_rank < our_nnodes:
-        return (f"{LAYOUT_REFUSED}: node_rank {node_rank} is out of range 1..{our_nnodes - 1} "
+    if not 0 < node_rank <= last:
+        return (f"{LAYOUT_REFUSED}: node_rank {node_rank} is out of range 1..{last} "
                 f"(nnodes={our_nnodes}; node 0 is the leader)")
     if taken:
         return (f"{LAYOUT_REFUSED}: duplicate node rank: another follower already joined as "
-                f"node {node_rank}; give each follower its own --node-rank 1..{our_nnodes - 1}")
+                f"node {node_rank}; give each follower its own --node-rank 1..{last}")
     return None
 
 
