@@ -101,7 +101,9 @@ class WorkerProc:
     def _start(self) -> None:
         spec = self.spec
         self.worker.init_worker_from_context(spec.context)
-        decorate_logs(worker_name(self.rank, self.config.parallel))
+        name = worker_name(self.rank, self.config.parallel)
+        set_process_title(name)  # again: a Ray actor runs WorkerProc without worker_main
+        decorate_logs(name)
         with self.tracer.span("worker.init_device", rank=self.rank):
             self.worker.init_device()
         with self.tracer.span("worker.load_model", rank=self.rank):
