@@ -141,6 +141,9 @@ class SignalBackstop:
             os.close(write_fd)
             return
         self._read_fd = read_fd
+        # A child forked from here keeps the Python handlers and the wakeup
+        # descriptor, not this thread: its signals must not reach our pipe.
+        os.register_at_fork(after_in_child=_no_wakeup_fd)
         threading.Thread(target=self._run, daemon=True, name="SignalBackstop").start()
 
     def handled(self) -> None:
@@ -162,6 +165,13 @@ class SignalBackstop:
                            "native code); ending the process", signal.Signals(signum).name,
                            self.grace_s)
             _die_by(signum)
+
+
+def _no_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from another thread than the main one: not ours to reset
+        pass
 
 
 def _die_by(signum: int) -> None:
