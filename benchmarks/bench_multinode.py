@@ -26,6 +26,7 @@ import argparse
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -247,8 +248,10 @@ def tree_of(pid: int) -> set[int]:
     return {pid} | descendants(pid)
 
 
-def kill_tree(pids: set[int]) -> None:
-    for p in pids:
+def kill_tree(pids: set[int], first: int | None = None) -> None:
+    """SIGKILL ``first`` (the tree's root), then the rest: a root killed after
+    its children could still react to their deaths (end its peers in order)."""
+    for p in sorted(pids, key=lambda p: p != first):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
@@ -273,6 +276,7 @@ def _call_until_died(executor: MultiprocExecutor, caught: threading.Event) -> No
 
 def bench_follower_kill(reps: int) -> None:
     samples = []
+    phase = random.Random(0)
     for _ in range(reps):
         port = free_port()
         follower = start_follower(port)
@@ -281,9 +285,11 @@ def bench_follower_kill(reps: int) -> None:
             caught = threading.Event()
             thread = threading.Thread(target=_call_until_died, args=(executor, caught))
             thread.start()
-            time.sleep(0.3)
+            # At a random point of the follower's heartbeat period (0.5 s):
+            # a fixed delay would always kill it at the same phase.
+            time.sleep(0.3 + phase.uniform(0.0, 0.5))
             t0 = time.perf_counter()
-            kill_tree(tree_of(follower.pid))
+            kill_tree(tree_of(follower.pid), first=follower.pid)
             caught.wait(30)
             samples.append(time.perf_counter() - t0)
             thread.join(30)
@@ -325,7 +331,7 @@ def bench_leader_kill(reps: int) -> None:
                 raise RuntimeError("the leader did not start")
             followers = tree_of(follower.pid)
             t0 = time.perf_counter()
-            kill_tree(tree_of(leader.pid))
+            kill_tree(tree_of(leader.pid), first=leader.pid)
             while alive(followers) and time.perf_counter() - t0 < 30:
                 time.sleep(0.01)
             samples.append(time.perf_counter() - t0)

@@ -18,6 +18,8 @@ CollectiveFailedError    (inside a worker) a process group's collective failed,
                          most often because a peer of the group is gone
 NodeVersionError         a follower node and its leader run different mpexec
                          versions (or node protocols); the follower is refused
+NodeLayoutError          a follower node's nnodes or node rank does not fit its
+                         leader's; the follower is refused
 =======================  ==========================================================
 
 ``TimeoutError`` (the builtin) is raised when a call or a queue operation
@@ -165,6 +167,17 @@ class NodeVersionError(MpexecError, RuntimeError):
     Raised on the follower (which then exits non-zero) when the leader
     refuses its JOIN, or when the leader's CONFIG names another version; the
     message names both versions.  Run the same mpexec on every node.
+    """
+
+
+class NodeLayoutError(MpexecError, ValueError):
+    """A follower node does not fit its leader's layout: another ``nnodes``, a
+    node rank outside 1..nnodes-1, or a node rank another follower already
+    joined as.
+
+    Raised on the follower (``mpexec node`` exits 2) when the leader refuses
+    its JOIN; the message names the leader's values and the follower's.  The
+    leader logs the refusal and keeps waiting for a follower that fits.
     """
 
 

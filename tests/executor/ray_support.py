@@ -89,7 +89,10 @@ def warm_up(*paths: str) -> None:
     for path in paths:
         made: list[Any] = []
         try:
-            assert start(made, path).collective_rpc("echo", args=(payload,))[0] == payload
+            # A cold start (a node's first worker process imports Ray and
+            # mpexec) may take a loaded machine longer than a test's 30 s.
+            executor = start(made, path, startup_timeout_s=180.0)
+            assert executor.collective_rpc("echo", args=(payload,))[0] == payload
         finally:
             for executor in made:
                 executor.shutdown()

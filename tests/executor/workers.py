@@ -7,6 +7,7 @@ repository root and light: no torch, nothing slow at import.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -60,6 +61,17 @@ class _DelayedOutput(AsyncModelRunnerOutput):
         return self._output
 
 
+def block_in_native_code() -> None:
+    """Block the calling thread for good in C code that no signal interrupts
+    (as a torch.distributed rendezvous does while it waits for a peer): a
+    plain pthread mutex locked twice by its owner.  Python's signal handlers
+    never get to run; only the signal's default action ends the process."""
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # all zeroes: PTHREAD_MUTEX_INITIALIZER
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+
+
 class EchoWorker(WorkerBase):
     """Answers with what it is given; misbehaves on request."""
 
@@ -80,6 +92,8 @@ class EchoWorker(WorkerBase):
             os._exit(3)
         if self.fail_at == f"{stage}:hang":
             time.sleep(60)
+        if self.fail_at == f"{stage}:native":
+            block_in_native_code()
 
     def init_device(self) -> None:
         self._maybe_fail("init_device")

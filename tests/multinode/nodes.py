@@ -46,7 +46,11 @@ def tree_of(pid: int) -> set[int]:
 
 
 def kill_tree(pid: int) -> None:
-    for p in tree_of(pid):
+    """SIGKILL ``pid`` first, then its descendants (found before): a leader
+    killed after one of its workers could still see that death and end its
+    followers in order (BYE), which is not the crash a test means."""
+    tree = tree_of(pid)
+    for p in [pid, *(tree - {pid})]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -47,6 +47,9 @@ def executor(request: Any, leak_check: None) -> Iterator[Executor]:
             follower.wait(30)
             kill_tree(follower.pid)
             assert follower.stdout is not None
+            said = follower.stdout.read().decode(errors="replace").strip()
+            if said:  # shown with a failed test's captured output
+                print(f"the follower said:\n{said[-4000:]}")
             follower.stdout.close()
 
 

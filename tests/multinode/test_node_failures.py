@@ -230,3 +230,28 @@ def test_a_follower_stopped_during_the_queue_handshake_fails_the_start(
     tree = signal_tree(follower.pid, signal.SIGCONT)
     assert follower.wait(30) == 1
     assert _wait_gone(tree, 30) == set()
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_worker_stuck_in_native_code_ends_without_sigkill_after_a_failed_start(
+        leak_check: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 blocks in native code no signal interrupts (as a rendezvous
+    waiting for a follower that never comes does): the failed start's
+    teardown ends it with the death pipe and SIGTERM, never SIGKILL."""
+    from mpexec.executor.termination import TerminationPolicy, TerminationReport
+
+    reports: list[TerminationReport] = []
+    terminate = TerminationPolicy.terminate
+
+    def recorded(self: TerminationPolicy, procs: Any) -> TerminationReport:
+        reports.append(terminate(self, procs))
+        return reports[-1]
+
+    monkeypatch.setattr(TerminationPolicy, "terminate", recorded)
+    port = free_port()  # no follower ever comes: the start times out
+    with pytest.raises(WorkerStartupError, match=r"did not join"):
+        MultiprocExecutor(two_node_config(port, startup_timeout_s=3.0, worker_kwargs={
+            "fail_at": "init_device:native", "fail_rank": 0}))
+    assert len(reports) == 1
+    assert reports[0].stage in ("exited", "sigterm") and not reports[0].killed, reports[0]
+    assert_port_free(port)

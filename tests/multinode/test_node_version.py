@@ -1,6 +1,6 @@
 """The node handshake's version check: another mpexec is refused at once, on both ends.
 
-JOIN carries the follower's ``"<NODE_PROTOCOL> <mpexec.__version__>"``,
+JOIN carries the follower's ``"<NODE_PROTOCOL> <mpexec.__version__>"`` (and nnodes),
 CONFIG the leader's.  A leader refuses a follower of another version (plain
 text, naming both) and keeps waiting for one of its own, as for a wrong
 secret; a follower refused, or sent a CONFIG of another version, exits 1
@@ -119,10 +119,11 @@ def test_the_leader_names_the_refused_version_when_start_up_times_out(
     from mpexec.executor import node as node_module
     from mpexec.executor.node import NodeClient
 
-    monkeypatch.setattr(node_module, "this_version", lambda: OTHER)  # the follower's JOIN
+    monkeypatch.setattr(node_module, "join_parts", lambda nonce, nnodes: [  # the JOIN
+        nodewire.NONCE.pack(nonce), OTHER, str(nnodes).encode()])
     port = free_port()
     server = _server(port)
-    client = NodeClient(SECRET, "127.0.0.1", port, 1)
+    client = NodeClient(SECRET, "127.0.0.1", port, 1, 2)
     errors: list[BaseException] = []
 
     def join() -> None:
@@ -157,7 +158,7 @@ def test_a_follower_refuses_a_config_of_another_version(
     monkeypatch.setattr(cluster, "this_version", lambda: OTHER)  # the leader's CONFIG
     port = free_port()
     server = _server(port)
-    client = NodeClient(SECRET, "127.0.0.1", port, 1)
+    client = NodeClient(SECRET, "127.0.0.1", port, 1, 2)
     admitted = threading.Thread(
         target=server.admit, args=(lambda rank: "not unpickled", time.monotonic() + 30, 30.0))
     try:

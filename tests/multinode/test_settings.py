@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -60,3 +61,36 @@ def test_mpexec_node_refuses_bad_usage(monkeypatch: pytest.MonkeyPatch,
     args[4] = "1"
     assert main(args) == 2
     assert "cluster secret" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--master-port", "99999"], "argument --master-port: a TCP port is 1..65535, got 99999"),
+    (["--master-port", "0"], "argument --master-port: a TCP port is 1..65535, got 0"),
+    (["--join-timeout", "-1"], "argument --join-timeout: must be a positive number of "
+     "seconds, got -1"),
+    (["--join-timeout", "nan"], "argument --join-timeout: must be a positive number"),
+    (["--master-addr", "no-such-host.invalid"], "the leader's address "
+     "'no-such-host.invalid' does not resolve"),
+    (["--nnodes", "1"], "nnodes must be at least 2 for a follower node"),
+    (["--node-rank", "2"], "node_rank must be in 1..1 (nnodes=2; node 0 is the leader)"),
+], ids=["port-too-high", "port-0", "negative-timeout", "nan-timeout", "unresolvable",
+        "one-node", "rank-out-of-range"])
+def test_mpexec_node_refuses_what_could_never_work_at_once(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flags: list[str], said: str) -> None:
+    """One line, exit status 2, before any wait (a 300 s join timeout would
+    otherwise be the first sign)."""
+    pytest.importorskip("zmq")
+    monkeypatch.setenv("MPEXEC_CLUSTER_SECRET", SECRET)
+    args = {"--nnodes": "2", "--node-rank": "1", "--master-addr": "127.0.0.1",
+            "--master-port": "29999", "--join-timeout": "300"}
+    args.update(zip(flags[::2], flags[1::2], strict=True))
+    started = time.monotonic()
+    try:
+        status = main(["node", *[x for pair in args.items() for x in pair]])
+    except SystemExit as exc:  # argparse's own refusal of a flag's value
+        status = exc.code
+    assert status == 2
+    assert time.monotonic() - started < 60  # a hang guard: no join was waited for
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err

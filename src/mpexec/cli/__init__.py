@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve as a follower node of an executor led from another host",
         description="Join the leader at --master-addr:--master-port, take the executor's "
         "configuration from it, run this node's workers until the leader ends them.",
+        epilog="exit status: 0 the leader ended the executor; 1 a worker failed, the leader "
+        "was lost, or it refused this node's secret or mpexec version; 2 a usage mistake, "
+        "found before joining (port, address, join timeout, nnodes, node rank) or named by "
+        "the leader when it refuses this node's --nnodes or --node-rank",
     )
     add_node_arguments(node)
     node.set_defaults(handler=_run_node)

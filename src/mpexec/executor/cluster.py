@@ -37,10 +37,13 @@ from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.node_handle import RemoteNodeHandle
 from mpexec.executor.nodewire import (
     NONCE,
+    Liveness,
     NodeAssignment,
     Session,
     endpoint,
     join_auth,
+    joined_nnodes,
+    layout_mismatch,
     this_version,
     version_mismatch,
 )
@@ -69,7 +72,8 @@ class NodeServer:
     """The leader's node control socket; see the module docstring."""
 
     def __init__(self, secret: str, host: str, port: int, nnodes: int, local_world_size: int,
-                 heartbeat_s: float, timeout_s: float, curve: bool = False) -> None:
+                 heartbeat_s: float, timeout_s: float, curve: bool = False,
+                 cluster_nnodes: int | None = None) -> None:
         import zmq
 
         if port == 0:
@@ -100,8 +104,15 @@ class NodeServer:
         self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
                                                          (r + 1) * local_world_size))
                       for r in range(1, nnodes)}
+        # What a follower must say it was started with: the executor's
+        # nnodes (``nnodes`` above counts only this data parallel rank's).
+        self.cluster_nnodes = nnodes if cluster_nnodes is None else cluster_nnodes
+        # Why the last follower refused without a node of ours to blame (its
+        # node rank out of range, or taken) was refused: named on a timeout.
+        self.refused_others = ""
         self._assignment_for: Callable[[int], NodeAssignment] | None = None
         self._changed = threading.Event()  # the monitor saw something: waiters look again
+        self.liveness = Liveness(_POLL_S)  # the monitor's own lateness, for judging silence
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._released = 0
@@ -146,9 +157,11 @@ class NodeServer:
             if remaining <= 0:
                 late = [n.name + (f" (refused a follower: {n.refused})" if n.refused else "")
                         for n in self.nodes.values() if not node_done(n)]
+                also = (f"; also refused a follower: {self.refused_others}"
+                        if self.refused_others else "")
                 raise WorkerStartupError(f"follower node(s) did not {what} within "
                                          f"{timeout_s:g}s (startup_timeout_s): "
-                                         f"{', '.join(late)}")
+                                         f"{', '.join(late)}{also}")
             self._changed.wait(min(remaining, _POLL_S))
             self._changed.clear()
 
@@ -175,7 +188,7 @@ class NodeServer:
         opened = node.session.open(frames)
         if opened is None:
             return
-        node.last_heard = time.monotonic()
+        node.heard = self.liveness.stamp()
         if opened.kind == READY:
             handles: dict[int, Handle] = pickle.loads(opened.parts[0])  # authenticated
             node.reply_handles = {r: h for r, h in handles.items() if r in node.ranks}
@@ -201,25 +214,32 @@ class NodeServer:
             return
         node = self.nodes.get(opened.rank)
         assignment_for = self._assignment_for
-        if opened.kind != JOIN or node is None or assignment_for is None:
+        if opened.kind != JOIN or assignment_for is None or len(opened.parts) < 1:
             self.drops.drop("unexpected join")
             return
-        if node.session is not None:
-            self.drops.drop("second join for a node")
+        if node is not None and node.identity == identity:
+            self.drops.drop("second join for a node")  # the same follower, again
             return
+        # As for a wrong secret: refuse this one at once, in plain words, and
+        # keep waiting for a follower that fits until startup_timeout_s.
         mismatch = version_mismatch(opened.parts[1] if len(opened.parts) > 1 else None,
-                                    "follower", "leader")
+                                    "follower", "leader") or layout_mismatch(
+            opened.rank, joined_nnodes(opened.parts), self.cluster_nnodes,
+            taken=node is not None and node.session is not None, followers=len(self.nodes))
         if mismatch is not None:
-            # As for a wrong secret: refuse this one, keep waiting for a
-            # follower of this version until startup_timeout_s.
-            logger.error("a follower for %s was refused: %s", node.name, mismatch)
-            node.refused = mismatch
+            logger.error("a follower that asked to join as node %d was refused: %s",
+                         opened.rank, mismatch)
+            if node is not None and node.session is None:
+                node.refused = mismatch
+            else:
+                self.refused_others = mismatch
             self._send(identity, refusal(mismatch))
             return
+        assert node is not None  # layout_mismatch: the rank is in range and free
         (nonce,) = NONCE.unpack(bytes(opened.parts[0]))
         node.identity = identity
         node.session = Session(self.secret, nonce, "l2f", "f2l", self.drops)
-        node.last_heard = time.monotonic()
+        node.heard = self.liveness.stamp()
         payload = cloudpickle.dumps(assignment_for(node.node_rank),
                                     protocol=pickle.HIGHEST_PROTOCOL)
         self._send(identity, node.session.seal(CONFIG, node.node_rank,
@@ -248,7 +268,10 @@ class NodeServer:
         next_ping = 0.0
         bye_deadline: float | None = None
         while True:
-            now = time.monotonic()
+            now = self.liveness.tick()
+            # What arrived while this thread was away is heard before any
+            # silence is judged.
+            self._receive(0)
             if now >= next_ping:
                 next_ping = now + self.heartbeat_s
                 for node in self.nodes.values():
@@ -258,7 +281,7 @@ class NodeServer:
             for node in self.nodes.values():
                 # Only a node that joined has a heartbeat to miss; one that
                 # never joins is the start-up timeout's.
-                silent = now - node.last_heard
+                silent = self.liveness.silence(node.heard, now)
                 if not node.gone.is_set() and node.session is not None \
                         and silent > self.timeout_s:
                     node.lost(f"lost: no heartbeat for {silent:.1f} s")
@@ -330,7 +353,7 @@ def start_cluster(config: ExecutorConfig, life: Any) -> NodeServer:
     return NodeServer(secret, parallel.master_addr, parallel.master_port,
                       parallel.nnodes_within_dp, parallel.local_world_size,
                       config.node_heartbeat_s, config.node_timeout_s,
-                      curve=config.cluster_curve)
+                      curve=config.cluster_curve, cluster_nnodes=parallel.nnodes)
 
 
 def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,

@@ -7,13 +7,17 @@ local workers with their global ranks (``global_start_rank``), tells the
 leader where their reply queues are, and then only watches::
 
     join (JOIN -> CONFIG)  ->  start local workers  ->  READY  ->  watch loop
+    before joining:            nnodes, node rank, port, join timeout, the leader's
+                               address resolving: else ValueError (exit status 2)
     join refused:              another secret: AuthenticationError; another mpexec
-                               version: NodeVersionError (both: exit status 1)
-    from JOIN on (start-up too): PING the leader every node_heartbeat_s;
+                               version: NodeVersionError (both: exit status 1);
+                               another nnodes, a node rank out of range or taken:
+                               NodeLayoutError (exit status 2)
+    from CONFIG on (start-up too): a heartbeat thread PINGs the leader every
+                               node_heartbeat_s and hears it;
                                leader silent > timeout  -> end (1); BYE -> end (0)
     start-up fails:            FAILED(what, the worker's traceback, rank), end
-    watch loop, every poll:    PING the leader every node_heartbeat_s
-                               a worker died            -> FAILED to the leader, end (1)
+    watch loop:                a worker died            -> FAILED to the leader, end (1)
                                BYE from the leader      -> end, BYE back (0)
                                leader silent > timeout  -> end (1)
 
@@ -29,24 +33,27 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import secrets
+import socket
 import threading
 import time
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import NodeVersionError, WorkerStartupError
+from mpexec.errors import NodeLayoutError, NodeVersionError, WorkerStartupError
 from mpexec.executor.launch import wait_for_ready
 from mpexec.executor.launcher import LocalProcessLauncher
 from mpexec.executor.lifecycle import Lifecycle
 from mpexec.executor.nodewire import (
-    NONCE,
+    LAYOUT_REFUSED,
     VERSION_REFUSED,
+    Liveness,
     NodeAssignment,
     Session,
     endpoint,
     join_auth,
-    this_version,
+    join_parts,
     version_mismatch,
 )
 from mpexec.executor.spec import spec_factories, worker_contexts
@@ -71,15 +78,24 @@ _POLL_S = 0.05
 
 
 class NodeClient:
-    """The follower's end of the node control channel."""
+    """The follower's end of the node control channel.
+
+    ``join`` runs on the caller's thread; from ``start_heartbeat`` on, one
+    thread of its own owns the socket: it PINGs the leader, hears its
+    frames and judges its silence (net of its own lateness, see
+    ``nodewire.Liveness``), so the heartbeat goes on however busy the
+    follower's main thread is (starting processes, loading).  The main
+    thread sends through ``send`` and reads ``bye`` and ``lost``.
+    """
 
     def __init__(self, secret: str, master_addr: str, master_port: int, node_rank: int,
-                 curve: bool = False) -> None:
+                 nnodes: int, curve: bool = False) -> None:
         import zmq
 
         self._zmq = zmq
         self.secret = secret
         self.node_rank = node_rank
+        self.nnodes = nnodes
         self.address = f"{master_addr}:{master_port}"
         self.drops = DropCounter(f"node channel to {self.address}")
         self._context = zmq.Context(1)
@@ -94,14 +110,22 @@ class NodeClient:
         self._sock = sock
         self._nonce = secrets.randbits(63)
         self.session = Session(secret, self._nonce, "f2l", "l2f", self.drops)
-        self.last_heard = time.monotonic()
+        self.liveness = Liveness(_POLL_S)
+        self.heard = self.liveness.stamp()
+        self.bye = threading.Event()  # the leader said BYE
+        self.lost = ""  # why the leader counts as gone ("" while it is not)
+        self.changed = threading.Event()  # bye or lost: the main thread looks again
+        self._outbox: queue.SimpleQueue[tuple[int, list[Any]]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def join(self, timeout_s: float) -> NodeAssignment:
         """JOIN, then the leader's CONFIG; a refusal is an ``AuthenticationError``
-        (another secret) or a ``NodeVersionError`` (another mpexec)."""
+        (another secret), a ``NodeVersionError`` (another mpexec) or a
+        ``NodeLayoutError`` (another nnodes, a node rank out of range or taken)."""
         zmq = self._zmq
         self._sock.send_multipart(join_auth(self.secret, "f2l").seal(
-            JOIN, self.node_rank, 1, [NONCE.pack(self._nonce), this_version()]))
+            JOIN, self.node_rank, 1, join_parts(self._nonce, self.nnodes)))
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -115,6 +139,9 @@ class NodeClient:
             if reason is not None and reason.startswith(VERSION_REFUSED):
                 raise NodeVersionError(f"node {self.node_rank}: the leader at {self.address} "
                                        f"refused to admit this node: {reason}")
+            if reason is not None and reason.startswith(LAYOUT_REFUSED):
+                raise NodeLayoutError(f"node {self.node_rank}: the leader at {self.address} "
+                                      f"refused to admit this node: {reason}")
             if reason is not None:
                 raise AuthenticationError(
                     f"node {self.node_rank}: the leader at {self.address} refused to admit "
@@ -122,7 +149,7 @@ class NodeClient:
                     "(MPEXEC_CLUSTER_SECRET or --secret-file)")
             opened = self.session.open(frames)
             if opened is not None and opened.kind == CONFIG and opened.rank == self.node_rank:
-                self.last_heard = time.monotonic()
+                self.heard = self.liveness.stamp()
                 mismatch = version_mismatch(
                     opened.parts[1] if len(opened.parts) > 1 else None, "leader", "follower")
                 if mismatch is not None:  # checked before anything is unpickled
@@ -133,27 +160,84 @@ class NodeClient:
                     raise TypeError(f"the leader sent {type(assignment).__name__}")
                 return assignment
 
+    def start_heartbeat(self, heartbeat_s: float, timeout_s: float) -> None:
+        """Hand the socket to the heartbeat thread (after ``join``)."""
+        self.heard = self.liveness.stamp()
+        self._thread = threading.Thread(target=self._beat, args=(heartbeat_s, timeout_s),
+                                        daemon=True, name="MpexecNodeHeartbeat")
+        self._thread.start()
+
     def send(self, kind: int, parts: list[Any]) -> None:
+        """Send a frame: from the heartbeat thread once it runs (within a poll)."""
+        if self._thread is not None:
+            self._outbox.put((kind, parts))
+            return
+        self._send_now(kind, parts)
+
+    def _send_now(self, kind: int, parts: list[Any]) -> None:
         try:
             self._sock.send_multipart(self.session.seal(kind, self.node_rank, parts),
                                       self._zmq.NOBLOCK)
         except self._zmq.ZMQError:
             pass  # backed up: the leader will call us lost, or we it
 
-    def poll(self, wait_s: float) -> int | None:
-        """The kind of the next authentic frame within ``wait_s``, or None."""
+    def _beat(self, heartbeat_s: float, timeout_s: float) -> None:
         zmq = self._zmq
-        if not self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
-            return None
-        opened = self.session.open(self._sock.recv_multipart())
-        if opened is None:
-            return None
-        self.last_heard = time.monotonic()
-        return opened.kind
+        next_ping = 0.0
+        while True:
+            now = self.liveness.tick()
+            while not self._outbox.empty():
+                self._send_now(*self._outbox.get())
+            if self._stop.is_set():
+                return
+            if now >= next_ping:
+                next_ping = now + heartbeat_s
+                self._send_now(PING, [])
+            # What arrived while this thread was away is heard before any
+            # silence is judged.
+            while self._sock.poll(0, zmq.POLLIN):
+                opened = self.session.open(self._sock.recv_multipart())
+                if opened is None:
+                    continue
+                self.heard = self.liveness.stamp()
+                if opened.kind == BYE:
+                    self.bye.set()
+                    self.changed.set()
+            silent = self.liveness.silence(self.heard, now)
+            if silent > timeout_s and not self.lost:
+                self.lost = (f"the leader at {self.address} is gone (no heartbeat for "
+                             f"{silent:.1f} s)")
+                self.changed.set()
+            self._sock.poll(int(_POLL_S * 1000), zmq.POLLIN)
 
     def close(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            self._stop.set()  # the thread sends what is queued, then ends
+            thread.join(_POLL_S * 20)
         self._sock.close(200)
         self._context.term()
+
+
+def _check_follower_args(nnodes: int, node_rank: int, master_addr: str, master_port: int,
+                         join_timeout_s: float) -> None:
+    """Refuse what could never work, at once, naming the value (``ValueError``)."""
+    if nnodes < 2:
+        raise ValueError(f"nnodes must be at least 2 for a follower node (node 0 is the "
+                         f"leader), got {nnodes}")
+    if not 0 < node_rank < nnodes:
+        raise ValueError(f"node_rank must be in 1..{nnodes - 1} (nnodes={nnodes}; node 0 is "
+                         f"the leader) for a follower, got {node_rank}")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master_port must be a TCP port, 1..65535, got {master_port}")
+    if not join_timeout_s > 0 or join_timeout_s == float("inf"):
+        raise ValueError(f"join_timeout_s must be a positive number of seconds, got "
+                         f"{join_timeout_s:g}")
+    try:
+        socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"the leader's address {master_addr!r} does not resolve: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int, *,
@@ -175,14 +259,12 @@ def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int
     if not secret:
         raise ValueError("a follower node needs the leader's cluster secret "
                          "(secret=, MPEXEC_CLUSTER_SECRET or --secret-file)")
-    if not 0 < node_rank < nnodes:
-        raise ValueError(f"node_rank must be in [1, nnodes={nnodes}) for a follower, "
-                         f"got {node_rank}")
+    _check_follower_args(nnodes, node_rank, master_addr, master_port, join_timeout_s)
     if curve is None:  # the node channel speaks CURVE before any CONFIG can say so
         from mpexec.envs import load_envs
 
         curve = load_envs().cluster_curve
-    client = NodeClient(secret, master_addr, master_port, node_rank, curve=curve)
+    client = NodeClient(secret, master_addr, master_port, node_rank, nnodes, curve=curve)
     try:
         assignment = client.join(join_timeout_s)
         config = assignment.config
@@ -198,6 +280,9 @@ def run_follower(nnodes: int, node_rank: int, master_addr: str, master_port: int
 def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignment,
            secret: str, bind_addr: str, stop: threading.Event) -> int:
     life = Lifecycle(TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s))
+    # From here on the heartbeat has a thread of its own: starting the
+    # workers may keep this one busy longer than node_timeout_s.
+    client.start_heartbeat(config.node_heartbeat_s, config.node_timeout_s)
     try:
         try:
             _start_workers(life, config, assignment, secret, bind_addr)
@@ -205,7 +290,7 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
             # The heartbeat runs during start-up too: the leader would call
             # this node lost after node_timeout_s, however long loading takes.
             ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s,
-                                   tick=_StartupBeat(client, config, stop), tick_s=_POLL_S)
+                                   tick=_StartupBeat(client, stop), tick_s=_POLL_S)
         except WorkerStartupError as exc:
             rank = "" if exc.rank is None else str(exc.rank)
             client.send(FAILED, [exc.args[0].encode(), exc.remote_traceback.encode(),
@@ -237,30 +322,17 @@ class _LeaderLost(Exception):
 
 
 class _StartupBeat:
-    """The watch loop's heartbeat, as a ``wait_for_ready`` tick (start-up)."""
+    """What the heartbeat thread found, as a ``wait_for_ready`` tick (start-up)."""
 
-    def __init__(self, client: NodeClient, config: ExecutorConfig,
-                 stop: threading.Event) -> None:
+    def __init__(self, client: NodeClient, stop: threading.Event) -> None:
         self.client = client
-        self.config = config
         self.stop = stop
-        self.next_ping = 0.0
 
     def __call__(self) -> None:
-        client = self.client
-        now = time.monotonic()
-        if now >= self.next_ping:
-            self.next_ping = now + self.config.node_heartbeat_s
-            client.send(PING, [])
-        while (kind := client.poll(0)) is not None:
-            if kind == BYE:
-                raise _LeaderEnded
-        if self.stop.is_set():
+        if self.client.bye.is_set() or self.stop.is_set():
             raise _LeaderEnded
-        silent = time.monotonic() - client.last_heard
-        if silent > self.config.node_timeout_s:
-            raise _LeaderLost(f"the leader at {client.address} is gone (no heartbeat for "
-                              f"{silent:.1f} s)")
+        if self.client.lost:
+            raise _LeaderLost(self.client.lost)
 
 
 def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
@@ -275,12 +347,7 @@ def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssi
 
 def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
            stop: threading.Event) -> int:
-    next_ping = 0.0
     while True:
-        now = time.monotonic()
-        if now >= next_ping:
-            next_ping = now + config.node_heartbeat_s
-            client.send(PING, [])
         # Exit code 0 is a worker leaving because the leader closed the
         # broadcast queue: the leader's BYE is on its way.
         dead = next((h for h in life.handles if not h.is_alive() and h.exitcode != 0), None)
@@ -293,16 +360,15 @@ def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
         if stop.is_set():
             client.send(BYE, [])
             return 0
-        # The leader's monitor heartbeats from our JOIN on, also while its
-        # own workers are still starting, so silence means it is gone.
-        silent = now - client.last_heard
-        if silent > config.node_timeout_s:
-            logger.error("node %d: the leader at %s is gone (no heartbeat for %.1f s); "
-                         "ending this node", client.node_rank, client.address, silent)
-            return 1
-        kind = client.poll(_POLL_S)
-        if kind == BYE:
+        if client.bye.is_set():
             logger.info("node %d: the leader ended the executor", client.node_rank)
             life.close()
             client.send(BYE, [])
             return 0
+        # The leader's monitor heartbeats from our JOIN on, also while its
+        # own workers are still starting, so silence means it is gone.
+        if client.lost:
+            logger.error("node %d: %s; ending this node", client.node_rank, client.lost)
+            return 1
+        client.changed.wait(_POLL_S)
+        client.changed.clear()

@@ -41,7 +41,8 @@ class RemoteNodeHandle:
         self.identity: bytes | None = None
         self.session: Session | None = None
         self.reply_handles: dict[int, Handle] = {}
-        self.last_heard = time.monotonic()
+        # (when, the monitor's lateness then): see nodewire.Liveness
+        self.heard: tuple[float, float] = (time.monotonic(), 0.0)
         self.how = ""
         self.remote_traceback = ""  # of the worker whose failure the node reported
         self.failed_rank: int | None = None  # and its rank

@@ -6,11 +6,14 @@
     ----------------------------------             --------------------------
     NodeServer: ROUTER bound at                    NodeClient: DEALER connects to
     master_addr:master_port                        master_addr:master_port
-                          <------- JOIN(R, nonce, version)   (join key)
+                          <------- JOIN(R, nonce, version, nnodes)   (join key)
     wrong MAC: REFUSED (plain text) ------->       AuthenticationError, exit 1
     other version: REFUSED naming both ---->       NodeVersionError, exit 1
-    (logged; the leader keeps waiting for a
-    follower of its own version)
+    other nnodes, R not in 1..nnodes-1, or
+    R already joined: REFUSED naming both
+    values ("layout mismatch") ------------>       NodeLayoutError, exit 2
+    (each logged; the leader keeps waiting
+    for a follower that fits)
     CONFIG(R, assignment, version) -------->       version checked (NodeVersionError,
                                                    exit 1), then unpickled: config,
                                                    broadcast handle, init method
@@ -20,6 +23,8 @@
                                                    a local worker failed or died
     PING every node_heartbeat_s  <--------->       PING every node_heartbeat_s
     (from JOIN on: start-up included)              (from CONFIG on: start-up included)
+    (each end's heartbeat has a thread of its own; silence is judged net of
+    that thread's own lateness: see ``Liveness``)
     silent > node_timeout_s: node lost             leader silent > node_timeout_s: end
     (during start-up: WorkerStartupError)
     BYE (shutdown) ------------------------>       end the workers
@@ -37,12 +42,16 @@ inside the sealed frame.  Both ends require both numbers to match theirs
 (the frames, the MAC layout and the pickled assignment may change between
 releases); a JOIN without one comes from an mpexec older than the check.
 A refusal is plain text (``REFUSED``, the one frame every version reads),
-so a mismatched follower learns why even where sealing has changed.
+so a mismatched follower learns why even where sealing has changed; its
+reason starts with its type (``VERSION_REFUSED``, ``LAYOUT_REFUSED``, or a
+wrong secret's text), which the follower turns into its error.
 """
 
 from __future__ import annotations
 
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +64,9 @@ MAX_CONTROL_BYTES = 64 << 20
 NONCE = struct.Struct("<Q")
 # The node channel's protocol: raise it whenever a frame, a MAC or the
 # assignment changes (together with mpexec's version it must match across nodes).
-NODE_PROTOCOL = 2
+NODE_PROTOCOL = 3
 VERSION_REFUSED = "version mismatch"
+LAYOUT_REFUSED = "layout mismatch"
 
 
 def this_version() -> bytes:
@@ -79,6 +89,40 @@ def version_mismatch(theirs: bytes | None, their_role: str, our_role: str) -> st
     return (f"{VERSION_REFUSED}: the {our_role} runs {describe_version(this_version())}, "
             f"the {their_role} {describe_version(theirs)}; run the same mpexec on every "
             "node")
+
+
+def layout_mismatch(node_rank: int, their_nnodes: int | None, our_nnodes: int,
+                    taken: bool, followers: int | None = None) -> str | None:
+    """None if a follower that says ``node_rank`` of ``their_nnodes`` fits this
+    leader (``taken``: a follower already joined as that node); else a line,
+    in plain words, naming both sides' values.  ``followers``: the leader's
+    follower nodes, 1..followers (``our_nnodes - 1``; fewer when data
+    parallel ranks split the nodes)."""
+    last = our_nnodes - 1 if followers is None else followers
+    if their_nnodes != our_nnodes:
+        return (f"{LAYOUT_REFUSED}: the leader runs nnodes={our_nnodes}, this follower was "
+                f"started with nnodes={their_nnodes if their_nnodes is not None else '?'}; "
+                f"start it with --nnodes {our_nnodes}")
+    if not 0 < node_rank <= last:
+        return (f"{LAYOUT_REFUSED}: node_rank {node_rank} is out of range 1..{last} "
+                f"(nnodes={our_nnodes}; node 0 is the leader)")
+    if taken:
+        return (f"{LAYOUT_REFUSED}: duplicate node rank: another follower already joined as "
+                f"node {node_rank}; give each follower its own --node-rank 1..{last}")
+    return None
+
+
+def join_parts(nonce: int, nnodes: int) -> list[bytes]:
+    """A JOIN's parts: the follower's nonce, version and idea of ``nnodes``."""
+    return [NONCE.pack(nonce), this_version(), str(nnodes).encode()]
+
+
+def joined_nnodes(parts: list[Any]) -> int | None:
+    """The ``nnodes`` a JOIN says, or None where it says none readable."""
+    if len(parts) < 3:
+        return None
+    text = bytes(parts[2]).decode(errors="replace")
+    return int(text) if text.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -127,3 +171,47 @@ class Session:
 
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class Liveness:
+    """How long a peer has been silent, net of the observer's own lateness.
+
+    A heartbeat thread calls :meth:`tick` once per turn of its loop, a loop
+    that waits at most ``period_s`` (its poll) plus a little work.  A turn
+    late by more than ``jitter_s`` means the thread itself was not running
+    (a loaded machine, a stalled GIL holder, a paused VM); that lateness is
+    added up, and :meth:`silence` subtracts from a peer's silence whatever
+    of it fell after the peer was last heard.  So a peer is never called
+    lost for a gap the observer's own absence explains; a peer silent while
+    the observer ran on time is lost after ``node_timeout_s`` as before.
+    Turns late by less (waiting a few milliseconds for the GIL while the
+    caller's thread is busy, timer slack) are not counted: they would only
+    add up to a later verdict on a peer that is really gone.
+    """
+
+    def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic,
+                 jitter_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.clock = clock
+        self.jitter_s = jitter_s
+        self.late_s = 0.0  # all the lateness seen so far
+        self._last: float | None = None
+
+    def tick(self) -> float:
+        """Start a turn of the loop; returns now."""
+        now = self.clock()
+        if self._last is not None:
+            late = now - self._last - self.period_s
+            if late > self.jitter_s:
+                self.late_s += late
+        self._last = now
+        return now
+
+    def stamp(self) -> tuple[float, float]:
+        """What to keep when a peer is heard from: now, and the lateness so far."""
+        return self.clock(), self.late_s
+
+    def silence(self, heard: tuple[float, float], now: float) -> float:
+        """Seconds the peer heard at ``heard`` has been silent, net of our lateness."""
+        at, late_then = heard
+        return (now - at) - (self.late_s - late_then)

@@ -12,10 +12,19 @@ queues down, which ends a worker waiting for its next call.  Then::
 so a worker busy in a call that never returns (a hung collective) is gone
 well within two seconds of the driver's death.  Before the queues exist
 (still starting up) the watcher interrupts the main thread with SIGTERM.
+
+A Python signal handler runs only when the main thread is between two
+bytecodes: a worker blocked in native code that does not give way to
+signals (a ``torch.distributed`` rendezvous waiting for a peer that will
+never come, a hung collective) would sit on SIGTERM until SIGKILL.  The
+:class:`SignalBackstop` thread hears each SIGTERM/SIGINT through the
+interpreter's wakeup descriptor; if the handler has not run within
+``SIGNAL_GRACE_S``, it ends the process by that signal itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -33,6 +42,9 @@ ORPHAN_GRACE_S = 0.5
 # before the kernel marks it exited: look for that long before calling it
 # an orderly shutdown.
 _DRIVER_EXIT_LOOK_S = 0.2
+# How long the main thread has to start handling SIGTERM/SIGINT before the
+# backstop ends the process (a worker between bytecodes takes microseconds).
+SIGNAL_GRACE_S = 1.0
 
 
 class DeathPipeWatcher:
@@ -99,3 +111,74 @@ def end_own_group() -> None:
     """SIGKILL this process's group (this process included) if it leads one."""
     if not kill_process_group(os.getpgrp(), signal.SIGKILL):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalBackstop:
+    """Ends the process on SIGTERM/SIGINT when the main thread cannot.
+
+    ``install()`` (main thread, after the Python handlers) points the
+    interpreter's wakeup descriptor at a pipe this thread reads.  The
+    handlers call ``handled()``; a signal not handled within ``grace_s``
+    means the main thread is stuck in native code: the signal's default
+    action is restored and the signal sent again, so the process ends as
+    SIGTERM would have ended it (its exit status says so).
+    """
+
+    def __init__(self, grace_s: float = SIGNAL_GRACE_S,
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.grace_s = grace_s
+        self.signals = signals
+        self._handled = threading.Event()
+        self._read_fd = -1
+
+    def install(self) -> None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no backstop, the handlers still work
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._read_fd = read_fd
+        # A child forked from here keeps the Python handlers and the wakeup
+        # descriptor, not this thread: its signals must not reach our pipe.
+        os.register_at_fork(after_in_child=_no_wakeup_fd)
+        threading.Thread(target=self._run, daemon=True, name="SignalBackstop").start()
+
+    def handled(self) -> None:
+        """The Python handler ran: the main thread takes it from here."""
+        self._handled.set()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            signum = next((n for n in data if n in self.signals), None)
+            if signum is None or self._handled.wait(self.grace_s):
+                continue
+            logger.warning("%s not handled within %.1f s (the main thread is blocked in "
+                           "native code); ending the process", signal.Signals(signum).name,
+                           self.grace_s)
+            _die_by(signum)
+
+
+def _no_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from another thread than the main one: not ours to reset
+        pass
+
+
+def _die_by(signum: int) -> None:
+    """Restore ``signum``'s default action (from any thread) and raise it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(ctypes.c_int(signum), ctypes.c_void_p(0))  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)
+    os._exit(128 + signum)  # the default action did not end us: never come back

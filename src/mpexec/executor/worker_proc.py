@@ -2,8 +2,11 @@
 
 Start-up, in the child (``worker_main(spec)``)::
 
+    install SIGTERM/SIGINT handlers (each turns into one SystemExit), and
+    their backstop: unhandled within a second (the main thread stuck in
+    native code), the signal's default action ends the process
+    set the process title (``mpexec::Worker_TP1``), before anything else
     lead a new process group; arm the parent-death signal (SIGTERM) when asked
-    install SIGTERM/SIGINT handlers (each turns into one SystemExit)
     close the siblings' pipe ends inherited through fork; thread counts; pin CPUs
     start the death-pipe watcher (``watcher``)
     WorkerProc(spec): worker_cls(spec.context, **worker_kwargs), init_device,
@@ -52,7 +55,7 @@ from mpexec.executor.protocol import (
 from mpexec.executor.ranks import worker_name
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import NO_TRACER, Tracer
-from mpexec.executor.watcher import DeathPipeWatcher, end_own_group
+from mpexec.executor.watcher import DeathPipeWatcher, SignalBackstop, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import AsyncModelRunnerOutput
@@ -99,7 +102,7 @@ class WorkerProc:
         spec = self.spec
         self.worker.init_worker_from_context(spec.context)
         name = worker_name(self.rank, self.config.parallel)
-        set_process_title(name)
+        set_process_title(name)  # again: a Ray actor runs WorkerProc without worker_main
         decorate_logs(name)
         with self.tracer.span("worker.init_device", rank=self.rank):
             self.worker.init_device()
@@ -306,8 +309,10 @@ def _prepare_process(spec: WorkerSpec) -> None:
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a worker process (see the module docstring)."""
     signalled = threading.Event()
+    backstop = SignalBackstop()
 
     def signal_handler(signum: int, frame: FrameType | None) -> None:
+        backstop.handled()
         if not signalled.is_set():
             signalled.set()
             logger.debug("WorkerProc handling signal %d, raising SystemExit", signum)
@@ -315,6 +320,12 @@ def worker_main(spec: WorkerSpec) -> None:
 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
+    backstop.install()  # a main thread stuck in native code still ends on SIGTERM
+    # The title first, whatever the start method: a child of the fork server
+    # replaces its environment next, and setproctitle, once the environment
+    # has moved, no longer finds the memory it rewrites (``ps`` would show
+    # the fork server's command line).
+    set_process_title(worker_name(spec.rank, spec.config.parallel))
     _prepare_process(spec)
     ready_writer: Connection = spec.ready_pipe
     reported = False

@@ -46,23 +46,51 @@ def worker_process_name(
 def set_process_title(name: str, prefix: str = "mpexec") -> None:
     """Show ``prefix::name`` as this process's title in ``ps`` and ``top``.
 
-    Uses ``setproctitle`` when it is installed (the full title, in ``ps -f``
-    too); otherwise sets the Linux thread name with ``prctl(PR_SET_NAME)``,
-    which the kernel truncates to 15 bytes.  Never raises: a missing title is
-    not worth failing a worker for.
+    Uses ``setproctitle`` (the full title, in ``ps -f`` too); where it could
+    not change the command line (see below) the argument area is rewritten
+    directly, as long as it fits.  The Linux thread name is set too
+    (``prctl(PR_SET_NAME)``, truncated to 15 bytes).  Never raises: a
+    missing title is not worth failing a worker for.
     """
     title = f"{prefix}::{name}" if prefix else name
     try:
         import setproctitle  # optional
 
         setproctitle.setproctitle(title)
-        return
     except Exception:
         pass
+    try:
+        # setproctitle finds the command line's memory through the original
+        # environment; a process whose environment changed before its first
+        # call (a fork server's child, a driver that set a variable before
+        # forking) keeps its old command line.  Then the area the kernel
+        # shows is rewritten directly.
+        if sys.platform.startswith("linux") and _cmdline_title() != title:
+            _rewrite_cmdline(title)
+    except Exception as exc:
+        logger.debug("Could not rewrite the command line for %r: %s", title, exc)
     try:
         _prctl_set_name(title)
     except Exception as exc:
         logger.debug("Could not set process title %r: %s", title, exc)
+
+
+def _cmdline_title() -> str:
+    with open("/proc/self/cmdline", "rb") as f:
+        return f.read().split(b"\0", 1)[0].decode(errors="replace")
+
+
+def _rewrite_cmdline(title: str) -> None:
+    """Write ``title`` over this process's argument area (its bounds are
+    fields 48 and 49 of ``/proc/self/stat``), NUL-padded, truncated to fit."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # fields[0] is field 3
+    size = end - start
+    if start <= 0 or size <= 1:
+        return
+    raw = title.encode("utf-8", "replace")[:size - 1]
+    ctypes.memmove(start, raw + b"\0" * (size - len(raw)), size)
 
 
 def _prctl_set_name(title: str) -> None:
