@@ -268,7 +268,8 @@ def test_a_worker_value_error_across_two_nodes_arrives_at_once(
                 timer.cancel()
                 timer.join(5)
             assert caught.value.exc_type == "ValueError"
-            assert llm.engine.is_dead and not llm.engine.executor.is_failed
+            # the step's requests failed alone: the engine serves on
+            assert not llm.engine.is_dead and not llm.engine.executor.is_failed
         finally:
             llm.shutdown()
         assert follower.wait(30) == 0
