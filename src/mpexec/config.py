@@ -164,6 +164,23 @@ class ParallelConfig:
                 f"data_parallel_size ({dp}) must be a multiple of nnodes ({nodes}) "
                 "when several data parallel ranks share a node"
             )
+        # The node and the data parallel rank name the same place: a replica
+        # spanning nodes lives on the nodes of its block; several replicas on
+        # one node are that node's block of DP ranks.
+        if nodes >= dp:
+            replica = self.node_rank // (nodes // dp)
+            where = (f"node_rank {self.node_rank} belongs to data parallel rank {replica} "
+                     f"({nodes // dp} nodes per replica)")
+            if replica != self.data_parallel_rank:
+                raise ValueError(f"data_parallel_rank ({self.data_parallel_rank}) does not "
+                                 f"match the node: with nnodes={nodes} and "
+                                 f"data_parallel_size={dp}, {where}")
+        elif self.data_parallel_rank // (dp // nodes) != self.node_rank:
+            raise ValueError(
+                f"data_parallel_rank ({self.data_parallel_rank}) does not match the node: "
+                f"with nnodes={nodes} and data_parallel_size={dp}, node_rank "
+                f"{self.node_rank} runs data parallel ranks "
+                f"[{self.node_rank * (dp // nodes)}, {(self.node_rank + 1) * (dp // nodes)})")
         if self.world_size % self.nnodes_within_dp:
             raise ValueError(
                 f"world_size ({self.world_size}) = tensor_parallel_size x "

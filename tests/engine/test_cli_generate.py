@@ -25,7 +25,8 @@ def use_fake_model(monkeypatch: pytest.MonkeyPatch, **worker_kwargs: Any) -> Non
                    worker_kwargs={"block_size": 4, "seed": args.seed, **worker_kwargs},
                    max_model_len=64, block_size=4, tensor_parallel_size=tp,
                    pipeline_parallel_size=pp, executor_backend=args.backend,
-                   async_scheduling=args.async_scheduling, shutdown_grace_s=2.0)
+                   async_scheduling=args.async_scheduling, shutdown_grace_s=2.0,
+                   data_parallel_size=args.data_parallel_size)
 
     monkeypatch.setattr(generate, "start_llm", start)
 
@@ -51,6 +52,22 @@ def test_json_lines_in_prompt_order(monkeypatch: pytest.MonkeyPatch,
         assert row["text"] == tok.decode(want)
         t = row["timings"]
         assert t["arrival"] <= t["first_token"] <= t["finish"]
+
+
+def test_two_data_parallel_replicas_keep_the_prompt_order(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    use_fake_model(monkeypatch)
+    prompts = ["one", "second prompt", "3", "four four"]
+    argv = ["generate", "--json", "--temperature", "0", "--max-tokens", "5", "-dp", "2"]
+    for p in prompts:
+        argv += ["--prompt", p]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    tok = FakeTokenizer()
+    for prompt, row in zip(prompts, rows, strict=True):
+        want, _ = reference_tokens(tok.encode(prompt), SamplingParams(temperature=0,
+                                   max_tokens=5), eos_token_ids=(3,), max_model_len=64)
+        assert row["prompt"] == prompt and row["token_ids"] == want
 
 
 def test_chat_and_plain_text_output(monkeypatch: pytest.MonkeyPatch,

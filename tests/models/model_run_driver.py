@@ -28,19 +28,24 @@ BLOCK_SIZE = 4
 
 
 def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1, pcp: int = 1,
-                  backend: str = "mp", num_blocks: int = 128,
+                  backend: str = "mp", num_blocks: int = 128, ep: bool = False,
+                  dp: tuple[int, int] = (0, 1), executor_fields: dict[str, Any] | None = None,
                   **worker_kwargs: Any) -> Executor:
     """An executor of ModelWorkers with its KV cache sized the way the engine does."""
     kwargs = dict(model=str(model), block_size=BLOCK_SIZE, num_threads=1,
                   kv_cache_memory_bytes=64 << 20)
     kwargs.update(worker_kwargs)
+    fields: dict[str, Any] = dict(startup_timeout_s=120.0, execute_model_timeout_s=120.0,
+                                  shutdown_grace_s=5.0, shutdown_term_s=5.0)
+    fields.update(executor_fields or {})
     config = ExecutorConfig(
         worker_cls="mpexec.models.worker:ModelWorker", worker_kwargs=kwargs,
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                 decode_context_parallel_size=dcp,
-                                prefill_context_parallel_size=pcp),
-        executor_backend=backend, device_type="cpu", startup_timeout_s=120.0,
-        execute_model_timeout_s=120.0, shutdown_grace_s=5.0, shutdown_term_s=5.0)
+                                prefill_context_parallel_size=pcp,
+                                enable_expert_parallel=ep, data_parallel_rank=dp[0],
+                                data_parallel_size=dp[1]),
+        executor_backend=backend, device_type="cpu", **fields)
     executor = Executor.get_class(config)(config)
     try:
         memory = executor.collective_rpc("determine_available_memory")

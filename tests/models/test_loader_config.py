@@ -102,7 +102,12 @@ def test_chat_template_sources(tmp_path: Path) -> None:
 # One row per refusal: the change to config.json, the field the error must name.
 REFUSED = [
     ({"model_type": "gpt2"}, "model_type"),
-    ({"architectures": ["MixtralForCausalLM"]}, "architectures"),
+    ({"architectures": ["DeepseekV2ForCausalLM"]}, "architectures"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 2,
+      "num_experts_per_tok": 3}, "num_experts_per_tok"),
+    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [99]},
+     "mlp_only_layers"),
     ({"num_local_experts": 8}, "num_local_experts"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 64},
      "sliding_window"),

@@ -111,9 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tables; --plot draws them with matplotlib. Arguments after '--' go to the scripts.",
     )
     bench.add_argument("--suite", action="append",
-                       choices=("mq", "executor", "collectives", "model", "engine"),
-                       help="suite to run (repeatable; default: every suite present)")
+                       choices=("mq", "executor", "collectives", "model", "engine",
+                                "parallel"),
+                       help="suite to run (repeatable; default: every suite present but "
+                            "parallel)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the tables into this image")
+    bench.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=None,
+                       help="replicas for the parallel suite (bench_parallel.py)")
     bench.add_argument("script_args", nargs=argparse.REMAINDER,
                        help="'--' then arguments for the scripts")
     bench.set_defaults(handler=_run_bench)

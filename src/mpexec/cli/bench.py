@@ -128,8 +128,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     for suite in suites:
         out.write(f"== mpexec bench --suite {suite}: {where / f'bench_{suite}.py'}\n")
         out.flush()
+        extra = []
+        if suite == "parallel" and getattr(args, "data_parallel_size", None):
+            extra = ["--data-parallel-size", str(args.data_parallel_size)]
         proc = subprocess.Popen([sys.executable, str(where / f"bench_{suite}.py"),
-                                 *script_args], stdout=subprocess.PIPE, text=True)
+                                 *extra, *script_args], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)

@@ -35,16 +35,19 @@ def check_is_model(model: str) -> None:
         raise UsageError(str(exc)) from None
 
 
-def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto") -> None:
-    """This node's share of TP x PP on CUDA needs one visible device per worker.
+def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto",
+                 dp: int = 1) -> None:
+    """This node's share of DP x TP x PP on CUDA needs one visible device per worker.
 
     CPU workers are not limited by the CPUs: more workers than CPUs run,
     one intra-op thread each (the LLM says so in a WARNING).
     """
     from mpexec.engine.llm import cuda_available
 
-    local = tp * pp // nnodes
+    local = dp * tp * pp // nnodes
     what = f"--tp {tp} x --pp {pp} = {tp * pp}"
+    if dp > 1:
+        what = f"--data-parallel-size {dp} x --tp {tp} x --pp {pp} = {local}"
     if nnodes > 1:
         what += f" / --nnodes {nnodes} = {local}"
     if device != "cpu" and cuda_available():

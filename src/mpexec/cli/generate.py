@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(SmolLM2-135M), 'gemma3-270m'")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (1)")
     parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (1)")
+    add_parallel_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeatable; outputs come in the same order)")
     parser.add_argument("--prompts-file", default=None, metavar="FILE",
@@ -70,6 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Data and expert parallelism (``generate`` and ``bench``)."""
+    from mpexec.cli import _positive_int
+
+    parser.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                        help="engine replicas, each with its own TP x PP workers (1)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="split a mixture-of-experts model's experts across the TP ranks")
+    parser.add_argument("--replica-restart", action="store_true",
+                        help="rebuild a replica whose worker died; its requests finish on "
+                             "the others")
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -130,7 +144,8 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
     check_model(args.model)
     nodes = node_options(args, tp, pp)
     nnodes = nodes.get("nnodes", 1)
-    check_layout(tp, pp, nnodes, getattr(args, "device", "auto"))
+    dp = getattr(args, "data_parallel_size", 1)
+    check_layout(tp, pp, nnodes, getattr(args, "device", "auto"), dp)
     check_is_model(args.model)
     require_torch(f"mpexec {args.command}")
     from mpexec.engine.llm import LLM
@@ -138,7 +153,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
 
     progress = Progress()
     where = f" here, waiting for {nnodes - 1} follower node(s)" if nnodes > 1 else ""
-    progress.update(f"starting {tp * pp // nnodes} worker(s){where} and loading "
+    progress.update(f"starting {dp * tp * pp // nnodes} worker(s){where} and loading "
                     f"{args.model} ...", force=True)
     try:
         return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -153,6 +168,9 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    kv_transfer_config=getattr(args, "kv_transfer_config", None),
                    device=getattr(args, "device", "auto"),
                    distributed_backend=getattr(args, "distributed_backend", "auto"),
+                   data_parallel_size=dp,
+                   enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                   replica_restart=getattr(args, "replica_restart", False),
                    **device_options(args), **nodes)
     except WorkerStartupError as exc:
         if nnodes > 1 and "did not join" in str(exc):

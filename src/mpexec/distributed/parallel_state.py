@@ -273,24 +273,27 @@ def destroy_distributed_environment() -> None:
     _state.device = None
 
 
-def parallel_worker_name() -> str:
-    """``Worker_PP1_TP0``-style name from this rank's groups (dimensions above one)."""
+def parallel_worker_name(dp: tuple[int, int] | None = None) -> str:
+    """``Worker_PP1_TP0``-style name from this rank's groups (dimensions above one).
+
+    ``dp`` (rank, size) names the data parallel replica when this world is one
+    replica of several (each its own world, so its DP group is of one)."""
     def coords(dim: str) -> tuple[int, int]:
         group = _group(dim)
         return group.rank_in_group, group.world_size
 
     ep = coords("ep")
-    return worker_process_name(dp=coords("dp"), pp=coords("pp"), pcp=coords("pcp"),
+    return worker_process_name(dp=dp or coords("dp"), pp=coords("pp"), pcp=coords("pcp"),
                                tp=coords("tp"), dcp=coords("dcp"),
                                ep=ep if ep[1] > 1 else None)
 
 
-def setup_proc_title_and_log_prefix() -> str:
+def setup_proc_title_and_log_prefix(dp: tuple[int, int] | None = None) -> str:
     """Title this process and prefix its output with its group ranks; returns the name.
 
     The model worker calls it after :func:`initialize_model_parallel`.
     """
-    name = parallel_worker_name()
+    name = parallel_worker_name(dp)
     set_process_title(name)
     decorate_logs(name)
     return name

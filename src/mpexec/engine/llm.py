@@ -34,6 +34,7 @@ cache sizing - runs on the leader as on one node.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -49,6 +50,7 @@ from mpexec.config import (
     SchedulerConfig,
     distributed_backend_for,
 )
+from mpexec.engine.dp import DataParallelEngine
 from mpexec.engine.engine import Engine
 from mpexec.engine.outputs import (
     CompletionOutput,
@@ -99,6 +101,9 @@ class LLM:
         pipeline_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
         prefill_context_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        replica_restart: bool = False,
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
@@ -123,29 +128,43 @@ class LLM:
         eos_token_ids: Sequence[int] | None = None,
         **executor_fields: Any,
     ) -> None:
-        self._engine: Engine | None = None
+        self._engine: Engine | DataParallelEngine | None = None
         self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
         _check_arguments(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
+        dp = data_parallel_size
+        if dp > 1 and nnodes > 1:
+            raise ValueError("data_parallel_size > 1 runs every replica on this node; "
+                             "data parallel replicas across nodes are not supported by LLM")
+        if dp > 1 and kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported")
+        ep_across = enable_expert_parallel and dp > 1
+        if ep_across and (pipeline_parallel_size > 1 or async_scheduling or replica_restart):
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 steps the "
+                             "replicas in lockstep: it needs pipeline_parallel_size=1, "
+                             "async_scheduling=False and replica_restart=False")
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
                                   decode_context_parallel_size=decode_context_parallel_size,
                                   prefill_context_parallel_size=prefill_context_parallel_size,
+                                  data_parallel_size=dp,
+                                  enable_expert_parallel=enable_expert_parallel,
                                   nnodes=nnodes, node_rank=node_rank,
                                   master_addr=master_addr, master_port=master_port,
                                   backend=distributed_backend_for(device_type,
                                                                   distributed_backend))
-        world = parallel.local_world_size  # the workers of this node
+        world = parallel.local_world_size * dp  # the workers of this node
         cpus = usable_cpus()
         if device_type == "cpu" and worker_cls == MODEL_WORKER and world > cpus:
             # Any layout runs (slowly) on any machine: share the CPUs, one
             # intra-op thread per worker, rather than refuse.
             on_node = f" on this node (of {parallel.world_size})" if nnodes > 1 else ""
             logger.warning(
-                "%d CPU workers%s (tensor x pipeline x prefill context parallel sizes) on "
-                "%d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
+                "%d CPU workers%s (data x tensor x pipeline x prefill context parallel sizes) "
+                "on %d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
                 "run slower than on %d CPUs", world, on_node, cpus, world)
+        _check_devices(world, device_type, worker_cls == MODEL_WORKER)
         is_model_worker = worker_cls == MODEL_WORKER
         connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
                                  parallel.world_size)
@@ -162,6 +181,8 @@ class LLM:
             # Before any worker starts: a path that is no model, or a context
             # longer than the model's, fails here in one line.
             self.vocab_size = _check_model_len(path, max_model_len)
+            if enable_expert_parallel:
+                _check_experts(path, tensor_parallel_size * dp)
             if num_threads is None and device_type == "cpu":
                 num_threads = max(1, cpus // world)
             # Follower nodes open the checkpoint at the same path; a named model
@@ -189,9 +210,16 @@ class LLM:
             executor_backend=executor_backend, device_type=device_type, **executor_fields)
         # The workers start first: the driver has no threads yet, so they can be
         # forked; opening the checkpoint (tokenizer libraries start threads)
-        # comes after.
-        executor = Executor.get_class(config_obj)(config_obj)
+        # comes after.  One executor per data parallel replica.
+        replica_configs = [dataclasses.replace(
+            config_obj, parallel=dataclasses.replace(parallel, data_parallel_rank=rank))
+            for rank in range(dp)]
+        executors: list[Executor] = []
         try:
+            for replica_config in replica_configs:
+                executors.append(Executor.get_class(replica_config)(replica_config))
+            if ep_across:
+                _join_replicas(executors, master_addr)
             model_max_len = max_model_len
             if isinstance(tokenizer, (str, os.PathLike)):
                 tokenizer = _load_tokenizer(tokenizer)
@@ -214,16 +242,36 @@ class LLM:
                                      enable_prefix_caching=enable_prefix_caching,
                                      prefix_cache_namespace=f"{model}|{dtype}",
                                      kv_transfer_config=connector)
-            self._engine = Engine(executor, limits, eos, tokenizer=tokenizer,
-                                  vocab_size=self.vocab_size)
+            engines: list[Engine] = []
+            for executor in executors:
+                engines.append(Engine(executor, limits, eos, tokenizer=tokenizer,
+                                      vocab_size=self.vocab_size))
+            if dp == 1 and not replica_restart:
+                self._engine = engines[0]
+            else:
+                def rebuild(rank: int) -> Engine:
+                    config = replica_configs[rank]
+                    executor = Executor.get_class(config)(config)
+                    try:
+                        return Engine(executor, limits, eos, tokenizer=tokenizer,
+                                      vocab_size=self.vocab_size)
+                    except BaseException:
+                        executor.shutdown()
+                        raise
+
+                self._engine = DataParallelEngine(engines, restart=replica_restart,
+                                                  factory=rebuild, lockstep=ep_across)
         except BaseException:
-            executor.shutdown()
+            for executor in executors:
+                executor.shutdown()
             raise
         self.tokenizer: TokenizerLike = tokenizer
         self._clock_offset = time.time() - time.monotonic()
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Any:
+        """The :class:`Engine`, or with several replicas (or ``replica_restart``) the
+        :class:`~mpexec.engine.dp.DataParallelEngine` that has the same API."""
         if self._engine is None:
             raise RuntimeError("the LLM was not started")
         return self._engine
@@ -565,6 +613,46 @@ def _check_model_len(path: Any, max_model_len: int | None) -> int:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{limit} (max_position_embeddings of {path})")
     return int(config.vocab_size)
+def _check_devices(workers: int, device_type: str, is_model_worker: bool) -> None:
+    """One clear error for more CUDA workers than this node's devices (CPU workers
+    may outnumber the CPUs: they share them, with a warning)."""
+    if is_model_worker and device_type == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if workers > gpus:
+            raise ValueError(f"data_parallel_size x tensor_parallel_size x "
+                             f"pipeline_parallel_size = {workers} workers on this node, but it "
+                             f"has {gpus} CUDA devices: one worker needs one device")
+
+
+def _join_replicas(executors: list[Executor], host: str) -> None:
+    """Experts split across replicas: every replica's workers join one world."""
+    from mpexec.executor.spec import PortReservation
+
+    port = PortReservation(host, 0)
+    try:
+        futures = [e.collective_rpc("join_data_parallel", args=(port.init_method,),
+                                    non_block=True) for e in executors]
+        for future in futures:
+            future.result()
+    finally:
+        port.close()
+
+
+def _check_experts(path: Any, ep_size: int) -> None:
+    """enable_expert_parallel: the checkpoint has experts, at least one per EP rank."""
+    import importlib
+
+    loader = importlib.import_module("mpexec.models.loader")
+    with loader.open_checkpoint(path) as checkpoint:
+        moe = getattr(checkpoint.config, "moe", None)
+    if moe is None:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {path} "
+                         "is dense")
+    if moe.num_experts < ep_size:
+        raise ValueError(f"the model has {moe.num_experts} experts, fewer than the expert "
+                         f"parallel size {ep_size} (DP x TP ranks): a rank would hold none")
 
 
 def _device_type(device: str) -> str:

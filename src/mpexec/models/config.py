@@ -7,7 +7,8 @@ Two sources give the same frozen object:
 
 Everything the model cannot run is refused here, at load time, with a
 ``CheckpointError`` (a ``ValueError``) that names the file and the field:
-an unknown architecture, mixture-of-experts, a sliding window shorter than
+an unknown architecture, a mixture-of-experts family other than Mixtral
+and Qwen2-MoE (``moe_config``), a sliding window shorter than
 the context, a missing field, an odd head size, a rope scaling form this
 stack does not implement.  The model then trusts the config and never
 re-checks it.
@@ -34,12 +35,15 @@ from typing import Any
 from mpexec.models import arch_config
 from mpexec.models.arch_config import ArchFeatures
 from mpexec.models.errors import CheckpointError
+from mpexec.models.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf
 from mpexec.models.rope_scaling import normalize_rope_scaling
 
 # model_type of config.json ─► the architecture name the model uses.
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                   "mixtral": "llama", "qwen2_moe": "qwen2",
                    **arch_config.HF_MODEL_TYPES}
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                     "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                      *arch_config.HF_ARCHITECTURES}
 _GGUF_ARCHITECTURES = ("llama", "qwen2", *arch_config.GGUF_ARCHITECTURES)
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
@@ -71,6 +75,7 @@ class ModelConfig:
     chat_template: str | None
     # Qwen3 / Gemma / Phi-3 departures from the Llama decoder (arch_config)
     features: ArchFeatures = field(default_factory=ArchFeatures)
+    moe: MoEConfig | None = None  # mixture-of-experts layers (moe_config); None: dense
 
     # ── from a Hugging Face directory ────────────────────────────────────
 
@@ -110,9 +115,14 @@ class ModelConfig:
         unknown = [a for a in architectures if a not in _HF_ARCHITECTURES]
         if unknown:
             raise CheckpointError(source, "architectures", f"{unknown[0]!r} is not supported")
-        for key in _MOE_KEYS:
-            if raw.get(key):
-                raise CheckpointError(source, key, "mixture-of-experts models are not supported")
+        moe = None
+        if model_type in MOE_MODEL_TYPES:
+            moe = moe_from_hf(raw, model_type, source, field.get("num_hidden_layers", int))
+        else:
+            for key in _MOE_KEYS:
+                if raw.get(key):
+                    raise CheckpointError(source, key,
+                                          f"mixture-of-experts {model_type!r} is not supported")
         architecture = _HF_MODEL_TYPES[model_type]
 
         hidden_size = field.get("hidden_size", int)
@@ -124,7 +134,7 @@ class ModelConfig:
             _check_sliding_window(raw, source, model_type, max_pos)
 
         if architecture == "qwen2":
-            attention_bias = True
+            attention_bias = bool(raw.get("qkv_bias", True))  # Qwen2-MoE may turn it off
         else:
             attention_bias = bool(raw.get("attention_bias", False))
             if attention_bias:
@@ -177,6 +187,7 @@ class ModelConfig:
             chat_template=chat_template,
             features=arch_config.features_from_hf(raw, architecture, source,
                                                   min(max(num_layers, 0), MAX_LAYERS)),
+            moe=moe,
         )
 
     # ── from GGUF metadata ───────────────────────────────────────────────

@@ -15,6 +15,10 @@ The departures of Qwen3, Gemma 2/3 and Phi-3 (``ModelConfig.features``,
 see ``arch_config``) are options of the same pieces: q/k norms, norms after
 attention and after the MLP, a GELU-tanh MLP, scaled embeddings, soft-capped
 scores and logits, sliding-window layers with a rotation of their own.
+On the sparse layers of a mixture-of-experts config (Mixtral, Qwen2-MoE,
+``ModelConfig.moe``) a :class:`~mpexec.models.layers.moe.MoEBlock` replaces
+the MLP (``mpexec.models.moe`` says which experts a rank holds, split
+tensor- or expert-parallel).
 :func:`load_stage` builds a stage from a checkpoint, reading only this
 rank's slices (``Checkpoint.read(name, dim, start, stop)``).  The model
 holds no per-request state; the worker owns requests and the KV cache.
@@ -34,9 +38,11 @@ from mpexec.models.kv_cache import AttentionBatch, KVCache
 from mpexec.models.layers.attention import Attention
 from mpexec.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from mpexec.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mpexec.models.layers.moe import MoEBlock
 from mpexec.models.layers.norm import RMSNorm
 from mpexec.models.layers.parallel import ParallelGroup
 from mpexec.models.layers.rotary import RotaryEmbedding, rope_type_of
+from mpexec.models.moe import expert_share, load_moe_block
 from mpexec.models.prefill_parallel import PcpBatch
 from mpexec.models.sharding import RankShare
 
@@ -75,10 +81,11 @@ class DecoderLayer:
     ``attn_out_norm`` (on the attention's output) and ``mlp_out_norm``."""
 
     def __init__(self, *, input_norm: RMSNorm, attention: Attention, post_norm: RMSNorm,
-                 gate_up: ColumnParallelLinear, down: RowParallelLinear,
+                 gate_up: ColumnParallelLinear | None = None,
+                 down: RowParallelLinear | None = None,
                  attn_out_norm: RMSNorm | None = None, mlp_out_norm: RMSNorm | None = None,
                  activation: str = "silu", window: int | None = None,
-                 rope_index: int = 0) -> None:
+                 rope_index: int = 0, moe: MoEBlock | None = None) -> None:
         self.input_norm = input_norm
         self.attention = attention
         self.post_norm = post_norm
@@ -89,6 +96,7 @@ class DecoderLayer:
         self.act = ACTIVATIONS[activation]
         self.window = window  # None: attends to the whole context
         self.rope_index = rope_index  # which of the stage's rotations
+        self.moe = moe  # instead of gate_up/down on a sparse layer
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  batch: AttentionBatch | DcpBatch | PcpBatch,
@@ -100,8 +108,12 @@ class DecoderLayer:
         if self.attn_out_norm is not None:
             hidden = self.attn_out_norm.normalize(hidden)
         hidden, residual = self.post_norm(hidden, residual)
-        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
-        hidden = self.down(self.act(gate) * up)
+        if self.moe is not None:
+            hidden = self.moe(hidden)
+        else:
+            assert self.gate_up is not None and self.down is not None
+            gate, up = self.gate_up(hidden).chunk(2, dim=-1)
+            hidden = self.down(self.act(gate) * up)
         if self.mlp_out_norm is not None:
             hidden = self.mlp_out_norm.normalize(hidden)
         return hidden, residual
@@ -161,6 +173,14 @@ class LlamaStage:
         assert residual is not None
         return hidden, residual
 
+    def experts_held(self) -> str:
+        """``[start, stop)`` of the experts this rank holds ("" for a dense model)."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                start = layer.moe.expert_start
+                return f"[{start}, {start + layer.moe.num_local})"
+        return ""
+
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor,
                        rows: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[len(rows), vocab]`` of the chosen rows (last stage)."""
@@ -186,9 +206,16 @@ def _windowed(batch: AttentionBatch | DcpBatch | PcpBatch,
 def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                is_first: bool, is_last: bool, tp_group: ParallelGroup, dtype: torch.dtype,
                device: torch.device, max_positions: int, dcp_group: DcpGroup | None = None,
-               dcp_head_counts: list[int] | None = None) -> LlamaStage:
+               dcp_head_counts: list[int] | None = None, expert_parallel: bool = False,
+               ep_group: ParallelGroup | None = None,
+               dp_group: ParallelGroup | None = None) -> LlamaStage:
     """Build this rank's stage, reading only its slices of the checkpoint; with
-    ``dcp_group``, attention is decode-context-parallel (``context_parallel``)."""
+    ``dcp_group``, attention is decode-context-parallel (``context_parallel``).
+
+    ``expert_parallel``: the MoE blocks split whole experts across the TP
+    group instead of every expert's rows (``mpexec.models.moe``); with
+    ``ep_group`` and ``dp_group`` (an EP group spanning data parallel
+    replicas) across the EP group, the tokens gathered over the DP group."""
     check_supported(config)
     names = set(checkpoint.names())
     head_dim = head_dim_of(config)
@@ -232,6 +259,12 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             head_dim=head_dim, rope_theta=features.local_rope_theta, rope_scaling=None,
             max_position_embeddings=config.max_position_embeddings,
             max_positions=max_positions, dtype=dtype, device=device))
+    moe = getattr(config, "moe", None)
+    experts = None
+    if moe is not None and ep_group is not None:
+        experts = expert_share(moe, ep_group.rank_in_group, ep_group.world_size, True)
+    elif moe is not None:
+        experts = expert_share(moe, share.tp_rank, share.tp_size, expert_parallel)
     layers = []
     for index in range(*share.layers):
         prefix = f"model.layers.{index}."
@@ -259,6 +292,14 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             k_norm=norm(attn_prefix + "k_norm.weight") if features.qk_norm else None,
             scale=features.attention_scale, softcap=features.attn_logit_softcapping,
             dcp=dcp_group, dcp_head_counts=dcp_head_counts)
+        if moe is not None and experts is not None and moe.is_sparse(index):
+            layers.append(DecoderLayer(
+                input_norm=norm(prefix + "input_layernorm.weight"), attention=attention,
+                post_norm=norm(prefix + "post_attention_layernorm.weight"),
+                activation=features.activation, window=window, rope_index=rope_index,
+                moe=load_moe_block(read, moe, index, experts, tp_group, ep_group=ep_group,
+                                   dp_group=dp_group)))
+            continue
         mlp_prefix = prefix + "mlp."
         gate_up = torch.cat([read(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),
                              read(mlp_prefix + "up_proj.weight", 0, *mlp_rows)])

@@ -152,6 +152,11 @@ class ModelWorker(WorkerBase):
         self.pcp_rank = ranks.pcp
         self.pcp_group: Any = None
         self.pcp_split_steps = 0  # steps whose rows this rank shared with its PCP group
+        self.expert_parallel = parallel.enable_expert_parallel
+        # Experts split over every replica's ranks: one world across the replicas.
+        self.ep_across_replicas = self.expert_parallel and parallel.data_parallel_size > 1
+        self.ep_group: Any = None
+        self.dp_group: Any = None
         self.device = torch.device(context.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tp_group: Any = None
@@ -186,11 +191,10 @@ class ModelWorker(WorkerBase):
 
     def init_device(self) -> None:
         parallel = self.config.parallel
-        unsupported = {name: getattr(parallel, name) for name in (
-            "data_parallel_size",) if getattr(parallel, name) != 1}
-        if unsupported or parallel.enable_expert_parallel:
-            raise ValueError(
-                f"ModelWorker supports TP, PP, PCP and DCP only; got {unsupported or 'EP'}")
+        if self.expert_parallel and self.pcp_size > 1:
+            raise ValueError("enable_expert_parallel with prefill_context_parallel_size > 1 "
+                             "is not supported: the experts are split across the TP ranks, "
+                             "which must hold the same tokens")
         if self.pcp_size > 1 and self.dcp_size > 1:
             raise ValueError(
                 f"prefill_context_parallel_size ({self.pcp_size}) and "
@@ -200,6 +204,8 @@ class ModelWorker(WorkerBase):
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
+        if self.ep_across_replicas:
+            return  # the groups come with join_data_parallel
         if self.context.world_size == 1:
             self.tp_group = self.pp_group = SingleRankGroup()
             return
@@ -208,12 +214,15 @@ class ModelWorker(WorkerBase):
         distributed.init_distributed_environment(
             world_size=self.context.world_size, rank=self.rank, local_rank=self.local_rank,
             distributed_init_method=self.distributed_init_method, backend=self.context.backend)
+        # This world is one data parallel replica: its DP group is of one.
         distributed.initialize_model_parallel(
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
             prefill_context_model_parallel_size=self.pcp_size,
-            decode_context_model_parallel_size=self.dcp_size)
+            decode_context_model_parallel_size=self.dcp_size,
+            enable_expert_parallel=self.expert_parallel)
         self.owns_distributed = True
-        distributed.setup_proc_title_and_log_prefix()
+        distributed.setup_proc_title_and_log_prefix(
+            (parallel.data_parallel_rank, parallel.data_parallel_size))
         self.tp_group = distributed.get_tp_group()
         self.pp_group = distributed.get_pp_group()
         if self.dcp_size > 1:
@@ -221,7 +230,23 @@ class ModelWorker(WorkerBase):
         if self.pcp_size > 1:
             self.pcp_group = distributed.get_pcp_group()
 
+    def join_data_parallel(self, init_method: str) -> None:
+        """Expert parallelism across replicas: join the world of every replica's
+        workers at ``init_method`` (``mpexec.models.dp_world``), then load."""
+        from mpexec.models.dp_world import join_replica_world
+
+        groups = join_replica_world(self.context, init_method)
+        self.owns_distributed = True
+        self.tp_group, self.pp_group, self.ep_group, self.dp_group = groups
+        if self.dcp_size > 1:
+            from mpexec import distributed
+
+            self.dcp_group = distributed.get_dcp_group()
+        self.load_model()
+
     def load_model(self) -> None:
+        if self.ep_across_replicas and self.ep_group is None:
+            return  # join_data_parallel loads, once the world exists
         with _open_checkpoint(self.model_spec) as checkpoint:
             config = checkpoint.config
             self.model_config = config
@@ -235,6 +260,9 @@ class ModelWorker(WorkerBase):
             head_counts = dcp_head_counts(config.num_attention_heads,
                                           config.num_key_value_heads, self.tp_size,
                                           self.dcp_size, self.tp_rank)
+            if self.expert_parallel and getattr(config, "moe", None) is None:
+                raise ValueError("enable_expert_parallel needs a mixture-of-experts model; "
+                                 f"{self.model_spec} is dense")
             max_len = self.max_model_len or config.max_position_embeddings
             self.max_model_len = max_len
             self.layer_range = layers
@@ -242,9 +270,13 @@ class ModelWorker(WorkerBase):
             self.stage = load_stage(checkpoint, config, share, is_first=self.is_first_stage,
                                     is_last=self.is_last_stage, tp_group=self.tp_group,
                                     dtype=self.dtype, device=self.device, max_positions=max_len,
-                                    dcp_group=self.dcp_group, dcp_head_counts=head_counts)
-        logger.info("rank %d (PP stage %d/%d) holds %s; %s on %s", self.rank, self.pp_rank,
-                    self.pp_size, share.describe(), self.dtype, self.device)
+                                    dcp_group=self.dcp_group, dcp_head_counts=head_counts,
+                                    expert_parallel=self.expert_parallel,
+                                    ep_group=self.ep_group, dp_group=self.dp_group)
+        experts = self.stage.experts_held()
+        logger.info("rank %d (PP stage %d/%d) holds %s%s; %s on %s", self.rank, self.pp_rank,
+                    self.pp_size, share.describe(), f", experts {experts}" if experts else "",
+                    self.dtype, self.device)
 
     def _require_stage(self) -> LlamaStage:
         if self.stage is None:

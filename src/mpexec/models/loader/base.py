@@ -58,12 +58,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if features.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if features.fused_qkv:
+        if config.moe is not None and config.moe.is_sparse(layer):
+            shapes.update(config.moe.shapes(layer, h))
+        elif features.fused_qkv:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)

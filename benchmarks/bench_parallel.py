@@ -1,0 +1,208 @@
+"""Data-parallel replicas, mixture-of-experts layouts and replica failover.
+
+Prints three tables from one run::
+
+    python benchmarks/bench_parallel.py [--model default] [--requests 64] [--prompt-len 128]
+                                        [--max-tokens 64] [--data-parallel-size 2]
+                                        [--threads 1] [--parts dense,moe,failover]
+
+1. dense (the default model, SmolLM2-135M): output tokens/s of ``--requests``
+   requests (``--prompt-len`` prompt tokens, ``--max-tokens`` output tokens,
+   EOS ignored) arriving at once, on TP=1, TP=2 and DP=N x TP=1, one
+   intra-op thread per worker; target DP=2 >= 1.7x TP=1 (each replica needs
+   a core of its own: on a loaded or small machine it cannot get there);
+2. mixture of experts: a Mixtral built here with transformers (8 experts,
+   top-2, hidden 512, 4 layers, random weights) - decode tokens/s of a batch
+   of ``--moe-batch`` requests on mpexec TP=1 against transformers'
+   ``generate`` in this process with the same thread count (target >= 1.2x),
+   and TP=2 against EP=2 (experts split whole across the two ranks);
+3. failover: DP=2 with ``replica_restart``; one replica's worker is SIGKILLed
+   when a quarter of the tokens are out: seconds from the kill to the
+   rebuilt replica taking work, requests lost (outputs that differ from an
+   undisturbed run; target 0), and the wall time against the undisturbed run.
+
+The load average is printed with each table: the numbers depend on the
+machine and what else runs on it; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from harness import render  # noqa: E402
+
+from mpexec.engine.llm import LLM  # noqa: E402
+from mpexec.outputs import SamplingParams  # noqa: E402
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)]}
+            for _ in range(n)]
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def timed(llm: LLM, batch: list[dict[str, Any]], params: SamplingParams,
+          progress: Any = None) -> tuple[float, list[Any]]:
+    started = time.perf_counter()
+    outputs = llm.generate(batch, params, progress=progress)
+    return time.perf_counter() - started, outputs
+
+
+def dense(args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batch = prompts(args.requests, args.prompt_len, 20000)
+    rows, base = [], None
+    for name, tp, dp in (("TP=1", 1, 1), ("TP=2", 2, 1),
+                         (f"DP={args.data_parallel_size} x TP=1", 1, args.data_parallel_size)):
+        before = load()
+        with LLM(args.model, tensor_parallel_size=tp, data_parallel_size=dp,
+                 num_threads=args.threads, max_num_seqs=max(64, args.requests),
+                 max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
+            timed(llm, batch[:2], SamplingParams(max_tokens=4))  # warm-up
+            seconds, outputs = timed(llm, batch, params)
+        tok_s = sum(len(o.token_ids) for o in outputs) / seconds
+        base = base or tok_s
+        rows.append([name, f"{tok_s:.1f}", f"{tok_s / base:.2f}x", f"{seconds:.1f}", before])
+        print(f"# dense {name} done", file=sys.stderr, flush=True)
+    print(render(f"1. dense {args.model}: {args.requests} requests x {args.prompt_len} prompt "
+                 f"x {args.max_tokens} output tokens, {args.threads} thread(s) per worker "
+                 "(target DP=2 >= 1.7x TP=1)",
+                 ["layout", "output tok/s", "vs TP=1", "seconds", "load avg before"], rows))
+    print()
+
+
+def build_moe(directory: Path) -> Path:
+    import torch
+    import transformers
+
+    from mpexec.models import testing
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+    transformers.MixtralForCausalLM(config).save_pretrained(directory)
+    testing._write_tokenizer(directory, 1024, False)
+    return directory
+
+
+def moe(args: argparse.Namespace) -> None:
+    import torch
+    import transformers
+
+    new = args.moe_tokens
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    batch = prompts(args.moe_batch, 32, 1024, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_moe(Path(tmp) / "mixtral")
+        rows: list[list[str]] = []
+        results = {}
+        for name, tp, ep in (("mpexec TP=1", 1, False), ("mpexec TP=2", 2, False),
+                             ("mpexec EP=2", 2, True)):
+            before = load()
+            with LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=ep,
+                     num_threads=args.threads, max_model_len=256) as llm:
+                timed(llm, batch[:1], SamplingParams(max_tokens=2))
+                seconds, outputs = timed(llm, batch, params)
+            results[name] = [o.token_ids for o in outputs]
+            rows.append([name, f"{args.moe_batch * new / seconds:.1f}", f"{seconds:.2f}",
+                         before])
+            print(f"# moe {name} done", file=sys.stderr, flush=True)
+        torch.set_num_threads(args.threads)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ids = torch.tensor([p["prompt_token_ids"] for p in batch])
+        before = load()
+        with torch.no_grad():
+            model.generate(ids[:1], max_new_tokens=2, do_sample=False)
+            started = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            seconds = time.perf_counter() - started
+        hf_tokens = out[:, ids.shape[1]:].tolist()
+        rows.append(["transformers (same threads)", f"{args.moe_batch * new / seconds:.1f}",
+                     f"{seconds:.2f}", before])
+    same = all(results[n] == results["mpexec TP=1"] for n in results)
+    agree = sum(a == b for a, b in zip(results["mpexec TP=1"], hf_tokens, strict=True))
+    print(render(f"2. MoE (Mixtral 8 experts top-2, hidden 512, 4 layers, random): batch "
+                 f"{args.moe_batch} x 32 prompt x {new} new tokens, {args.threads} thread(s) "
+                 "per worker (target mpexec TP=1 >= 1.2x transformers)",
+                 ["engine", "tok/s", "seconds", "load avg before"], rows))
+    print(f"# greedy tokens: TP=2 and EP=2 equal TP=1: {same}; TP=1 equals transformers on "
+          f"{agree}/{len(hf_tokens)} requests")
+    print()
+
+
+def failover(args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batch = prompts(args.failover_requests, args.prompt_len, 20000, seed=2)
+    total = len(batch) * args.max_tokens
+    with LLM(args.model, data_parallel_size=2, replica_restart=True, num_threads=args.threads,
+             max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
+        timed(llm, batch[:2], SamplingParams(max_tokens=4))
+        clean_s, clean = timed(llm, batch, params)
+        killed: list[float] = []
+
+        def kill(finished: int, count: int, tokens: int) -> None:
+            if not killed and tokens >= total // 4:
+                os.kill(llm.engine.replicas[1].executor.workers[0].proc.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        before = load()
+        hit_s, hit = timed(llm, batch, params, progress=kill)
+        deadline = time.monotonic() + 120
+        while not llm.engine.failover.restarts and time.monotonic() < deadline:
+            time.sleep(0.1)  # the rebuild may outlast the generate call
+        stats = llm.engine.failover
+    lost = sum(a.token_ids != b.token_ids for a, b in zip(clean, hit, strict=True))
+    recovery = f"{stats.recovery_s[0][1]:.1f}" if stats.recovery_s else "not back"
+    rows = [[str(len(batch)), f"{clean_s:.1f}", f"{hit_s:.1f}", f"{hit_s / clean_s:.2f}x",
+             str(stats.requeued_requests), recovery, str(lost), before]]
+    print(render(f"3. failover: DP=2, replica_restart, SIGKILL of DP rank 1's worker after "
+                 f"{total // 4} of {total} tokens (target: 0 lost)",
+                 ["requests", "undisturbed s", "with kill s", "slowdown", "re-queued",
+                  "kill -> serving again s", "lost", "load avg before"], rows))
+    for event in stats.events:
+        print(f"# {event}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per worker (1: the layouts compare fairly)")
+    parser.add_argument("--moe-batch", type=int, default=8)
+    parser.add_argument("--moe-tokens", type=int, default=32)
+    parser.add_argument("--failover-requests", type=int, default=16)
+    parser.add_argument("--parts", default="dense,moe,failover")
+    args = parser.parse_args()
+    print(f"# {os.cpu_count()} CPUs, load average {load()}")
+    parts = args.parts.split(",")
+    if "dense" in parts:
+        dense(args)
+    if "moe" in parts:
+        moe(args)
+    if "failover" in parts:
+        failover(args)
+
+
+if __name__ == "__main__":
+    main()

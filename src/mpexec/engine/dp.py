@@ -1,0 +1,345 @@
+"""Data-parallel replicas behind one front end.
+
+::
+
+    add_request ──► least-loaded live replica (fewest unfinished requests, then
+                    fewest tokens still to compute; ties: lowest DP rank)
+    step()      ──► every replica with work steps at once (one thread each,
+                    each blocking on its own executor), the changed requests
+                    of all of them returned together
+                    replica 0: Engine ── executor ── TP x PP workers, KV cache
+                    replica 1: Engine ── executor ── TP x PP workers, KV cache
+
+Each replica is a whole :class:`Engine` (scheduler, KV cache, executor) with
+its own workers; the replicas share nothing, so a request's tokens do not
+depend on which replica runs it (greedy, or seeded: the worker's noise is
+keyed by the request id and position, and the front end names every
+request, ``req-N``, before it picks the replica).
+
+Failover (``restart=True``): when a replica fails (a worker died, a
+collective timed out, its health check failed), its unfinished requests are
+taken back before the engine aborts them, reset as a preempted request is
+(blocks and computed tokens forgotten, the tokens generated so far kept) and
+queued on the least-loaded surviving replica, which recomputes their prefix
+and continues; the dead replica is shut down and rebuilt by the factory in
+a background thread, retried with backoff (1, 2, 4 ... s, up to
+``max_restarts`` in a row).  With no live replica the requests wait for the
+rebuilt one.  ``stats`` counts failures, restarts and re-queued requests;
+every event is logged.  Without failover the first failure is the caller's
+error, as with one engine.
+
+Lockstep (``lockstep=True``, experts split across the replicas): every MoE
+layer's collectives span all replicas, so each step runs one forward on
+every replica: the busy ones step, the idle ones run
+``execute_dummy_batch`` (one token into the scratch block), and when no
+replica has work nobody steps.  The engines must be synchronous (one
+forward per step) and single-stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpexec.engine.engine import Engine, EngineDeadError, EngineStats
+from mpexec.engine.request import FinishReason, Request, RequestStatus
+from mpexec.outputs import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FailoverStats:
+    failures: int = 0
+    restarts: int = 0
+    requeued_requests: int = 0
+    # (DP rank, seconds from the failure to the rebuilt replica taking work)
+    recovery_s: list[tuple[int, float]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+
+class DataParallelEngine:
+    """``len(replicas)`` engines behind the API of one (see the module docstring)."""
+
+    def __init__(self, replicas: list[Engine], *, restart: bool = False,
+                 factory: Callable[[int], Engine] | None = None, max_restarts: int = 3,
+                 backoff_s: float = 1.0, lockstep: bool = False) -> None:
+        if not replicas:
+            raise ValueError("a data parallel engine needs at least one replica")
+        if restart and factory is None:
+            raise ValueError("restart=True needs a factory that rebuilds a replica")
+        if restart and lockstep:
+            raise ValueError("replica_restart with replicas in lockstep (experts split "
+                             "across replicas) is not supported")
+        # Replicas that share collectives (experts split across them) step
+        # together: one forward each per step, an idle one a dummy batch.
+        self.lockstep = lockstep
+        self.dummy_steps = 0
+        self.replicas: list[Engine | None] = list(replicas)
+        self.restart = restart
+        self.factory = factory
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.failover = FailoverStats()
+        self.error: BaseException | None = None
+        self.limits = replicas[0].limits
+        self.num_blocks = min(e.num_blocks for e in replicas)
+        self._owner: dict[str, int] = {}
+        self._orphans: list[Request] = []  # waiting for a live replica
+        self._next_id = 0
+        self._lock = threading.Lock()  # replicas[] and _orphans against the rebuilders
+        self._rebuilding: dict[int, threading.Thread] = {}
+        self._failed_at: dict[int, float] = {}
+        self._attempts: dict[int, int] = {}
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=len(replicas),
+                                        thread_name_prefix="mpexec-dp-step")
+
+    # -- the Engine API ------------------------------------------------------------
+
+    @property
+    def executor(self) -> Any:
+        """The first live replica's executor (for callers that show one)."""
+        live = self._live()
+        return live[0][1].executor if live else None
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' counters summed."""
+        total = EngineStats()
+        for _, engine in self._live():
+            for name in ("steps", "scheduled_tokens", "sampled_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
+            total.sync_step_s += engine.stats.sync_step_s
+            total.sync_worker_s += engine.stats.sync_worker_s
+        return total
+
+    @property
+    def is_dead(self) -> bool:
+        if self.error is not None:
+            return True
+        return not self.restart and any(e.is_dead for _, e in self._live())
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    req_id: str | None = None, arrival_time: float | None = None) -> Request:
+        self._raise_if_dead()
+        if req_id is None:
+            req_id = f"req-{self._next_id}"
+            self._next_id += 1
+        live = [(rank, e) for rank, e in self._live() if not e.is_dead]
+        if not live:
+            # every replica is being rebuilt: the request waits for the first one back
+            request = Request(req_id, list(prompt_token_ids), params)
+            if arrival_time is not None:
+                request.arrival_time = arrival_time
+            with self._lock:
+                self._orphans.append(request)
+            return request
+        rank, engine = min(live, key=lambda item: (*_load(item[1]), item[0]))
+        request = engine.add_request(prompt_token_ids, params, req_id=req_id,
+                                     arrival_time=arrival_time)
+        self._owner[req_id] = rank
+        return request
+
+    def abort_request(self, req_id: str) -> Request | None:
+        with self._lock:
+            for request in self._orphans:
+                if request.req_id == req_id:
+                    self._orphans.remove(request)
+                    request.status = RequestStatus.FINISHED
+                    request.finish_reason = FinishReason.ABORT
+                    return request
+        rank = self._owner.pop(req_id, None)
+        engine = self.replicas[rank] if rank is not None else None
+        return engine.abort_request(req_id) if engine is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._orphans) or any(e.has_unfinished_requests() for _, e in self._live())
+
+    def step(self) -> list[Request]:
+        """Step every replica with work at once; the requests that changed."""
+        self._raise_if_dead()
+        if self.restart:  # a replica whose worker died while it was idle
+            for rank, engine in self._live():
+                if engine.is_dead and not engine.has_unfinished_requests():
+                    self._fail_over(rank, engine, [], engine.error or RuntimeError(
+                        "its executor reported a worker failure"))
+        self._adopt_orphans()
+        busy = [(rank, e) for rank, e in self._live() if e.has_unfinished_requests()]
+        if not busy:
+            if self._orphans or self._rebuilding:
+                time.sleep(0.05)  # waiting for a rebuilt replica: not a busy loop
+            return []
+        # What each replica holds now, to take back if it fails during the step.
+        held = {rank: [r for r in e.scheduler.requests.values() if not r.is_finished]
+                for rank, e in busy}
+        futures: list[tuple[int, Engine, Future[list[Request]]]] = [
+            (rank, e, self._pool.submit(e.step)) for rank, e in busy]
+        if self.lockstep:  # the idle replicas meet the busy ones' collectives
+            idle = [(rank, e) for rank, e in self._live() if (rank, e) not in busy]
+            self.dummy_steps += len(idle)
+            futures += [(rank, e, self._pool.submit(_dummy_step, e)) for rank, e in idle]
+        changed: list[Request] = []
+        failure: BaseException | None = None
+        for rank, engine, future in futures:
+            try:
+                changed += future.result()
+            except BaseException as exc:
+                if not self.restart:
+                    failure = failure or exc
+                    continue
+                changed += self._fail_over(rank, engine, held[rank], exc)
+        if failure is not None:
+            self.error = failure
+            raise failure
+        return changed
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        for thread in list(self._rebuilding.values()):
+            thread.join(timeout=60)
+        self._pool.shutdown(wait=True)
+        for _, engine in self._live():
+            engine.shutdown()
+        with self._lock:
+            for request in self._orphans:
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = FinishReason.ABORT
+            self._orphans.clear()
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # -- failover ------------------------------------------------------------------
+
+    def _live(self) -> list[tuple[int, Engine]]:
+        with self._lock:
+            return [(rank, e) for rank, e in enumerate(self.replicas) if e is not None]
+
+    def _fail_over(self, rank: int, engine: Engine, held: list[Request],
+                   exc: BaseException) -> list[Request]:
+        """Take ``held`` back from the failed replica ``rank``, requeue it, rebuild the
+        replica; the requests that finished normally in the meantime (none) are returned."""
+        self.failover.failures += 1
+        self._note(f"DP rank {rank} failed ({type(exc).__name__}: "
+                   f"{str(exc).splitlines()[0] if str(exc) else ''}); "
+                   f"re-queueing {len(held)} request(s)")
+        with self._lock:
+            self.replicas[rank] = None
+        self._failed_at[rank] = time.monotonic()
+        moved = []
+        for request in held:
+            if request.is_finished and (request.finish_reason is not FinishReason.ABORT
+                                        or request.error is None):
+                continue  # it ended on its own (or the caller aborted it)
+            _reset_for_recompute(request)
+            moved.append(request)
+        self.failover.requeued_requests += len(moved)
+        with self._lock:
+            self._orphans.extend(moved)
+        threading.Thread(target=engine.shutdown, name=f"mpexec-dp{rank}-teardown",
+                         daemon=True).start()
+        self._start_rebuild(rank)
+        self._adopt_orphans()
+        return []
+
+    def _adopt_orphans(self) -> None:
+        with self._lock:
+            if not self._orphans:
+                return
+            orphans, self._orphans = self._orphans, []
+        for request in orphans:
+            live = [(rank, e) for rank, e in self._live() if not e.is_dead]
+            if not live:
+                with self._lock:
+                    self._orphans.append(request)
+                continue
+            rank, engine = min(live, key=lambda item: (*_load(item[1]), item[0]))
+            request.epoch_step = 0  # every step of the new scheduler counts for it
+            engine.scheduler.add_request(request)
+            self._owner[request.req_id] = rank
+
+    def _start_rebuild(self, rank: int) -> None:
+        attempts = self._attempts.get(rank, 0)
+        if attempts >= self.max_restarts:
+            self._note(f"DP rank {rank}: {attempts} restarts failed; left down")
+            if not self._live():
+                self.error = RuntimeError(f"every data parallel replica is down (DP rank "
+                                          f"{rank} failed {attempts} restarts)")
+            return
+        self._attempts[rank] = attempts + 1
+        delay = self.backoff_s * (2 ** attempts)
+        thread = threading.Thread(target=self._rebuild, args=(rank, delay),
+                                  name=f"mpexec-dp{rank}-restart", daemon=True)
+        self._rebuilding[rank] = thread
+        thread.start()
+
+    def _rebuild(self, rank: int, delay: float) -> None:
+        assert self.factory is not None
+        if self._closed.wait(delay):
+            return
+        try:
+            engine = self.factory(rank)
+        except BaseException as exc:
+            self._note(f"DP rank {rank}: restart failed ({type(exc).__name__}: {exc})")
+            self._rebuilding.pop(rank, None)
+            if not self._closed.is_set():
+                self._start_rebuild(rank)
+            return
+        if self._closed.is_set():
+            engine.shutdown()
+            return
+        with self._lock:
+            self.replicas[rank] = engine
+        self._rebuilding.pop(rank, None)
+        self._attempts[rank] = 0
+        self.failover.restarts += 1
+        elapsed = time.monotonic() - self._failed_at.get(rank, time.monotonic())
+        self.failover.recovery_s.append((rank, elapsed))
+        self._note(f"DP rank {rank} restarted and serving again {elapsed:.1f} s after "
+                   "its failure")
+
+    def _note(self, message: str) -> None:
+        self.failover.events.append(message)
+        logger.warning("%s", message)
+
+    def _raise_if_dead(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.error}") from self.error
+
+
+def _dummy_step(engine: Engine) -> list[Request]:
+    engine.executor.execute_dummy_batch()
+    return []
+
+
+def _load(engine: Engine) -> tuple[int, int]:
+    """(unfinished requests, tokens still to compute) of one replica."""
+    requests = list(engine.scheduler.requests.values())
+    return len(requests), sum(r.num_tokens - r.num_computed_tokens for r in requests)
+
+
+def _reset_for_recompute(request: Request) -> None:
+    """Back to a waiting request that keeps its tokens, as a preemption leaves it."""
+    request.status = RequestStatus.WAITING
+    request.finish_reason = None
+    request.error = None
+    request.finish_time = None
+    request.num_computed_tokens = 0
+    request.num_output_placeholders = 0
+    request.num_steps_in_flight = 0
+    request.block_ids = []
+    request.num_cached_blocks = 0  # of the dead replica's cache (block_hashes stay valid)
+    request.num_cached_tokens = 0
+    request.num_external_tokens = 0
+    request.skip_kv_load = False
+    request.needs_new_data = False
+    request.num_preemptions += 1

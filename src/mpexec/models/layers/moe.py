@@ -1,0 +1,132 @@
+"""A mixture-of-experts block, on this rank's share of the experts.
+
+::
+
+    router (replicated):  probs = softmax(hidden @ Wr.T)  (float32)
+                          weights, ids = top_k(probs)  (renormalised when asked)
+    experts held here:    for each expert e hit by some token:
+                              x = hidden[tokens routed to e]
+                              y = down_e(silu(gate_e(x)) * up_e(x)) * weight
+                              out[tokens] += y
+    shared expert:        out += sigmoid(hidden @ Wsg.T) * down_s(silu(gate_s(x)) * up_s(x))
+    one all-reduce over the group sums the partial outputs
+
+Two ways to share the experts among the ranks of the group, same code:
+
+- tensor parallel: every rank holds every expert, each expert's gate/up
+  rows and down columns split across the ranks (its partial down product is
+  summed by the all-reduce, as in a dense row-parallel MLP);
+- expert parallel: each rank holds whole experts ``[expert_start,
+  expert_start + local)`` and computes only their contribution for the
+  tokens routed to them; every rank holds every token (attention is the
+  same on all of them), so the all-reduce that sums the contributions is
+  also the combine.
+
+The shared expert is always split the tensor-parallel way over the same
+group, so its partial sum rides on the same all-reduce.
+
+Across data parallel replicas (``dp_group`` given, ``group`` the EP group
+of every replica's TP ranks): each replica has its own tokens, so they are
+first all-gathered over the DP group (every replica's rows, in DP order;
+an idle replica takes part with its one dummy token), every EP rank runs
+its experts on all of them, the EP all-reduce sums the contributions, and
+each replica keeps its own rows; the shared expert runs on the replica's
+own tokens with its own TP all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mpexec.models.layers.parallel import ParallelGroup
+
+
+class SharedExpert:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> None:
+        self.gate_up = gate_up  # [2 * rows, H], this rank's rows of gate then up
+        self.down = down        # [H, rows]
+        self.gate = gate        # [1, H], whole
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(hidden, self.gate_up).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, self.down)
+        return torch.sigmoid(F.linear(hidden, self.gate)) * out
+
+
+class MoEBlock:
+    def __init__(self, *, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 expert_start: int, top_k: int, renormalize: bool, group: ParallelGroup,
+                 shared: SharedExpert | None = None, dp_group: ParallelGroup | None = None,
+                 tp_group: ParallelGroup | None = None) -> None:
+        self.router = router      # [E, H], every expert
+        self.gate_up = gate_up    # [local experts, 2 * rows, H]
+        self.down = down          # [local experts, H, rows]
+        self.expert_start = expert_start
+        self.num_local = gate_up.shape[0]
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.group = group
+        self.shared = shared
+        self.dp_group = dp_group  # set: experts split across replicas (module docstring)
+        self.tp_group = tp_group  # the shared expert's group in that case
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k ``(weights, expert ids)``, ``[T, k]`` each."""
+        probs = torch.softmax(F.linear(hidden, self.router).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden.dtype), ids
+
+    def local_experts(self, hidden: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output: its experts on the tokens routed to them."""
+        out = torch.zeros_like(hidden)
+        local = ids - self.expert_start
+        mine = (local >= 0) & (local < self.num_local)
+        if not bool(mine.any()):
+            return out
+        token_idx, slot = torch.nonzero(mine, as_tuple=True)
+        experts = local[token_idx, slot]
+        order = torch.argsort(experts, stable=True)
+        token_idx, slot, experts = token_idx[order], slot[order], experts[order]
+        counts = torch.bincount(experts, minlength=self.num_local).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = token_idx[start:start + count]
+            x = hidden[rows]
+            gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert])
+            y = y * weights[rows, slot[start:start + count], None]
+            out.index_add_(0, rows, y)
+            start += count
+        return out
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None and self.dp_group.world_size > 1:
+            return self._across_replicas(hidden, self.dp_group)
+        weights, ids = self.route(hidden)
+        out = self.local_experts(hidden, weights, ids)
+        if self.shared is not None:
+            out = out + self.shared(hidden)
+        if self.group.world_size > 1:
+            out = self.group.all_reduce(out)
+        return out
+
+    def _across_replicas(self, hidden: torch.Tensor, dp_group: ParallelGroup) -> torch.Tensor:
+        count = torch.tensor([[float(hidden.shape[0])]], device=hidden.device)
+        counts = [int(c) for c in dp_group.all_gather(count, dim=0).view(-1).tolist()]
+        everyone = dp_group.all_gather(hidden, dim=0)
+        weights, ids = self.route(everyone)
+        out = self.group.all_reduce(self.local_experts(everyone, weights, ids))
+        start = sum(counts[:dp_group.rank_in_group])
+        mine = out[start:start + hidden.shape[0]]
+        if self.shared is not None:
+            shared = self.shared(hidden)
+            if self.tp_group is not None and self.tp_group.world_size > 1:
+                shared = self.tp_group.all_reduce(shared)
+            mine = mine + shared
+        return mine

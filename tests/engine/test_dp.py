@@ -1,0 +1,104 @@
+"""Data-parallel replicas behind one front end (``LLM(data_parallel_size=N)``).
+
+On the fake model worker (no torch): outputs in the caller's order and equal
+to one replica's (greedy and seeded), requests spread over the replicas,
+and a replica whose worker is SIGKILLed mid-generate: with
+``replica_restart`` no request is lost and every one finishes with the
+tokens of an undisturbed run; without it, the typed error.  The model-level
+checks (tiny dense and MoE checkpoints) are in tests/models/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from mpexec.engine.dp import DataParallelEngine
+from mpexec.engine.llm import LLM
+from mpexec.errors import WorkerDiedError
+from mpexec.outputs import SamplingParams
+from tests.engine.conftest import FAKE_WORKER
+from tests.engine.fake_tokenizer import FakeTokenizer
+from tests.engine.fake_worker import reference_tokens
+
+pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(180)]
+PROMPTS = [{"prompt_token_ids": [5 + i, 6, 7 + 2 * i]} for i in range(8)]
+
+
+def fake_llm(**kwargs: Any) -> LLM:
+    worker_kwargs = {"block_size": 4, **kwargs.pop("worker_kwargs", {})}
+    return LLM("fake", worker_cls=FAKE_WORKER, worker_kwargs=worker_kwargs,
+               tokenizer=FakeTokenizer(), max_model_len=96, block_size=4,
+               executor_backend="mp", shutdown_grace_s=2.0, shutdown_term_s=2.0, **kwargs)
+
+
+def expected(params: SamplingParams) -> list[list[int]]:
+    return [reference_tokens(p["prompt_token_ids"], params, eos_token_ids=(3,),
+                             max_model_len=96)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12),
+                                    SamplingParams(temperature=1.0, seed=7, max_tokens=12)])
+def test_two_replicas_give_one_replicas_outputs_in_order(params: SamplingParams) -> None:
+    with fake_llm(data_parallel_size=2) as llm:
+        assert isinstance(llm.engine, DataParallelEngine) and len(llm.engine.replicas) == 2
+        outputs = llm.generate(PROMPTS, params)
+        owners = dict(llm.engine._owner)
+        stats = llm.engine.stats
+    assert [o.token_ids for o in outputs] == expected(params)
+    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in PROMPTS]
+    assert sorted(set(owners.values())) == [0, 1]  # both replicas got work
+    assert stats.sampled_tokens == sum(len(o.token_ids) for o in outputs)
+
+
+def _kill_replica_midway(llm: LLM, rank: int, after_tokens: int) -> Any:
+    killed: list[int] = []
+
+    def progress(finished: int, total: int, tokens: int) -> None:
+        if not killed and tokens >= after_tokens:
+            pid = llm.engine.replicas[rank].executor.workers[0].proc.pid
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    return progress, killed
+
+
+@pytest.mark.slow
+def test_killed_replica_is_restarted_and_loses_no_request() -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with fake_llm(data_parallel_size=2, replica_restart=True,
+                  worker_kwargs={"step_delay_s": 0.01}) as llm:
+        llm.engine.backoff_s = 0.1
+        progress, killed = _kill_replica_midway(llm, 1, after_tokens=20)
+        outputs = llm.generate(PROMPTS, params, progress=progress)
+        failover = llm.engine.failover
+        # the rebuilt replica serves again
+        again = llm.generate(PROMPTS, params)
+    assert killed
+    want = [reference_tokens(p["prompt_token_ids"], params, eos_token_ids=(3,),
+                             max_model_len=96)[0] for p in PROMPTS]
+    assert [o.token_ids for o in outputs] == want
+    assert [o.token_ids for o in again] == want
+    assert failover.failures == 1 and failover.requeued_requests >= 1
+    assert failover.restarts == 1 and "DP rank 1 failed (WorkerDiedError" in failover.events[0]
+
+
+@pytest.mark.slow
+def test_killed_replica_without_restart_is_the_typed_error() -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with fake_llm(data_parallel_size=2, worker_kwargs={"step_delay_s": 0.01}) as llm:
+        progress, killed = _kill_replica_midway(llm, 1, after_tokens=20)
+        with pytest.raises(WorkerDiedError):
+            llm.generate(PROMPTS, params, progress=progress)
+        assert killed and llm.engine.is_dead
+
+
+def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="steps the replicas in lockstep: it needs"):
+        LLM("default", data_parallel_size=2, enable_expert_parallel=True,
+            replica_restart=True)
+    with pytest.raises(ValueError, match="across nodes are not supported"):
+        LLM("default", data_parallel_size=2, nnodes=2)
