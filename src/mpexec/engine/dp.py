@@ -197,6 +197,9 @@ class DataParallelEngine:
         if failure is not None:
             self.error = failure
             raise failure
+        for request in changed:
+            if request.is_finished:
+                self._owner.pop(request.req_id, None)
         return changed
 
     def shutdown(self) -> None:
