@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -76,8 +77,14 @@ def test_killed_replica_is_restarted_and_loses_no_request() -> None:
         progress, killed = _kill_replica_midway(llm, 1, after_tokens=20)
         outputs = llm.generate(PROMPTS, params, progress=progress)
         failover = llm.engine.failover
-        # the rebuilt replica serves again
+        # the rebuild runs in the background (forkserver start under load):
+        # wait for it, bounded, then the rebuilt replica serves again
+        deadline = time.monotonic() + 90
+        while not failover.restarts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert failover.restarts == 1, failover.events
         again = llm.generate(PROMPTS, params)
+        assert llm.engine.replicas[1].stats.sampled_tokens > 0
     assert killed
     want = [reference_tokens(p["prompt_token_ids"], params, eos_token_ids=(3,),
                              max_model_len=96)[0] for p in PROMPTS]
