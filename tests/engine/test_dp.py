@@ -110,3 +110,25 @@ def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
             replica_restart=True)
     with pytest.raises(ValueError, match="across nodes are not supported"):
         LLM("default", data_parallel_size=2, nnodes=2)
+
+
+def test_asyncio_engine_over_two_replicas() -> None:
+    """AsyncLLM drives the data-parallel front end as it drives one engine."""
+    import asyncio
+
+    from mpexec.engine.async_llm import AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    async def main(engine: AsyncLLM) -> list[list[int]]:
+        async def one(prompt: dict[str, Any]) -> list[int]:
+            outs = [o async for o in engine.generate(prompt, params)]
+            return list(outs[-1].token_ids)
+
+        loads = engine.load()
+        assert loads["running"] == 0 and loads["kv_cache_usage"] == 0
+        return list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), 60))
+
+    with AsyncLLM(llm=fake_llm(data_parallel_size=2)) as engine:
+        results = asyncio.run(main(engine))
+    assert results == expected(params)

@@ -88,7 +88,8 @@ class DataParallelEngine:
         self.failover = FailoverStats()
         self.error: BaseException | None = None
         self.limits = replicas[0].limits
-        self.num_blocks = min(e.num_blocks for e in replicas)
+        self.num_blocks = sum(e.num_blocks for e in replicas)  # KV blocks of all replicas
+        self._dead_listeners: list[Callable[[], None]] = []
         self._owner: dict[str, int] = {}
         self._orphans: list[Request] = []  # waiting for a live replica
         self._next_id = 0
@@ -118,6 +119,18 @@ class DataParallelEngine:
             total.sync_step_s += engine.stats.sync_step_s
             total.sync_worker_s += engine.stats.sync_worker_s
         return total
+
+    @property
+    def scheduler(self) -> _Schedulers:
+        """The live replicas' queues and free blocks together (for load metrics)."""
+        return _Schedulers([e.scheduler for _, e in self._live()])
+
+    def add_dead_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when a replica's executor reports a failure (with
+        ``restart`` the next ``step`` then fails it over)."""
+        self._dead_listeners.append(listener)
+        for _, engine in self._live():
+            engine.add_dead_listener(listener)
 
     @property
     def is_dead(self) -> bool:
@@ -300,6 +313,8 @@ class DataParallelEngine:
         if self._closed.is_set():
             engine.shutdown()
             return
+        for listener in self._dead_listeners:
+            engine.add_dead_listener(listener)
         with self._lock:
             self.replicas[rank] = engine
         self._rebuilding.pop(rank, None)
@@ -317,6 +332,20 @@ class DataParallelEngine:
     def _raise_if_dead(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}") from self.error
+
+
+@dataclass
+class _FreeBlocks:
+    num_free_blocks: int
+
+
+class _Schedulers:
+    """``running``, ``waiting`` and ``blocks.num_free_blocks`` over several schedulers."""
+
+    def __init__(self, schedulers: list[Any]) -> None:
+        self.running = [r for s in schedulers for r in s.running]
+        self.waiting = [r for s in schedulers for r in s.waiting]
+        self.blocks = _FreeBlocks(sum(s.blocks.num_free_blocks for s in schedulers))
 
 
 def _dummy_step(engine: Engine) -> list[Request]:
