@@ -43,6 +43,11 @@ def save_random_moe(directory: Path, kind: str, seed: int = 0, **overrides: Any)
     if kind == "mixtral":
         config = transformers.MixtralConfig(**shape, intermediate_size=45, num_local_experts=5)
         model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen3_moe":  # Qwen3 attention (q/k norms), no shared expert
+        config = transformers.Qwen3MoeConfig(
+            **shape, intermediate_size=50, moe_intermediate_size=45, num_experts=5,
+            norm_topk_prob=True, mlp_only_layers=[1], head_dim=24)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             **shape, intermediate_size=50, moe_intermediate_size=45,
@@ -63,7 +68,7 @@ def prompts() -> dict[str, list[int]]:
             for i in range(3)}
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def moe_case(request: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = save_random_moe(tmp_path_factory.mktemp(request.param), request.param)
     with make_executor(path, backend="uni") as executor:
@@ -77,6 +82,10 @@ def test_config_reads_the_experts(moe_case: dict[str, Any]) -> None:
     assert config.moe is not None and config.moe.num_experts == 5 and config.moe.top_k == 2
     if moe_case["kind"] == "mixtral":
         assert config.moe.norm_topk_prob and not config.moe.shared_expert_intermediate_size
+    elif moe_case["kind"] == "qwen3_moe":
+        assert config.features.qk_norm and config.head_dim == 24
+        assert config.moe.norm_topk_prob and not config.moe.shared_expert_intermediate_size
+        assert [config.moe.is_sparse(i) for i in range(3)] == [True, False, True]
     else:
         assert not config.moe.norm_topk_prob
         assert config.moe.shared_expert_intermediate_size == 37

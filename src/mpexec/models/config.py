@@ -7,8 +7,8 @@ Two sources give the same frozen object:
 
 Everything the model cannot run is refused here, at load time, with a
 ``CheckpointError`` (a ``ValueError``) that names the file and the field:
-an unknown architecture, a mixture-of-experts family other than Mixtral
-and Qwen2-MoE (``moe_config``), a sliding window shorter than
+an unknown architecture, a mixture-of-experts family other than Mixtral,
+Qwen2-MoE and Qwen3-MoE (``moe_config``), a sliding window shorter than
 the context, a missing field, an odd head size, a rope scaling form this
 stack does not implement.  The model then trusts the config and never
 re-checks it.
@@ -40,10 +40,10 @@ from mpexec.models.rope_scaling import normalize_rope_scaling
 
 # model_type of config.json ─► the architecture name the model uses.
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                   "mixtral": "llama", "qwen2_moe": "qwen2",
+                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
                    **arch_config.HF_MODEL_TYPES}
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                     "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      *arch_config.HF_ARCHITECTURES}
 _GGUF_ARCHITECTURES = ("llama", "qwen2", *arch_config.GGUF_ARCHITECTURES)
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")

@@ -15,7 +15,7 @@ The departures of Qwen3, Gemma 2/3 and Phi-3 (``ModelConfig.features``,
 see ``arch_config``) are options of the same pieces: q/k norms, norms after
 attention and after the MLP, a GELU-tanh MLP, scaled embeddings, soft-capped
 scores and logits, sliding-window layers with a rotation of their own.
-On the sparse layers of a mixture-of-experts config (Mixtral, Qwen2-MoE,
+On the sparse layers of a mixture-of-experts config (Mixtral, Qwen2/3-MoE,
 ``ModelConfig.moe``) a :class:`~mpexec.models.layers.moe.MoEBlock` replaces
 the MLP (``mpexec.models.moe`` says which experts a rank holds, split
 tensor- or expert-parallel).

@@ -6,7 +6,7 @@ Two checkpoint styles, both as transformers writes them (one tensor per expert):
                 model.layers.L.block_sparse_moe.experts.e.w1.weight    [I, H]  gate
                                                          .w3.weight    [I, H]  up
                                                          .w2.weight    [H, I]  down
-    qwen_moe    model.layers.L.mlp.gate.weight                         [E, H]
+    qwen_moe    model.layers.L.mlp.gate.weight                         [E, H]  (Qwen2/3-MoE)
                 model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight
                 model.layers.L.mlp.shared_expert.{gate,up,down}_proj.weight   (Qwen2-MoE)
                 model.layers.L.mlp.shared_expert_gate.weight           [1, H]
@@ -28,7 +28,7 @@ from typing import Any
 from mpexec.models.errors import CheckpointError
 
 # model_type ─► checkpoint style
-MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen_moe"}
+MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe"}
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ def moe_from_hf(raw: Mapping[str, Any], model_type: str, source: str | Path,
         norm = True
         step = 1
     else:
-        num_experts = integer("num_experts")
+        # transformers 5 writes Qwen3-MoE's count as num_local_experts
+        num_experts = integer("num_experts" if raw.get("num_experts") is not None
+                              else "num_local_experts")
         intermediate = integer("moe_intermediate_size")
         shared = integer("shared_expert_intermediate_size", 0)
         norm = bool(raw.get("norm_topk_prob", False))
