@@ -269,6 +269,10 @@ class MessageQueue(QueueEnd):
         """The next message, in order (reader only)."""
         raise self._wrong_end("dequeue", "reader")
 
+    def lagging_ranks(self) -> list[int]:
+        """The reader ranks a full ring waits for (writer only)."""
+        raise self._wrong_end("lagging_ranks", "writer")
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Writer: enqueue ``obj`` and return it.  Reader: return the next message."""
         raise NotImplementedError

@@ -111,14 +111,14 @@ class MessageQueueWriter(MessageQueue):
             guard.lock.release()
 
     def lagging_ranks(self) -> list[int]:
-        """The reader ranks that have not consumed every published message
-        (for a deadline's error: who did not take a call)."""
+        """The reader ranks a full ring waits for: a whole ring behind the writer
+        (for a deadline's error: who did not take the call)."""
         guard = self._observe()
         try:
             cells = self._cells
-            written = cells[layout.WRITE_SEQ_CELL]
+            behind = cells[layout.WRITE_SEQ_CELL] - self._max_chunks
             return [rank for rank, cell in zip(self.local_reader_ranks, self._read_seq_cells,
-                                               strict=True) if cells[cell] < written]
+                                               strict=True) if cells[cell] <= behind]
         finally:
             guard.lock.release()
 
