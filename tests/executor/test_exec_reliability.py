@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,7 +20,9 @@ from tests.executor.conftest import make_config
 
 from mpexec.errors import WorkerDiedError, WorkerStalledError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
+from mpexec.executor.stall import StallWatch
 from mpexec.outputs import SchedulerOutput
+from mpexec.system import proc_stat
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -161,3 +165,46 @@ def test_a_death_while_idle_is_named_at_the_next_call() -> None:
                 ex.execute_model(SchedulerOutput())
             assert info.value.__cause__ is first and info.value is not first
             assert info.value.signal_name == "SIGKILL"
+
+
+class _Handle:
+    def __init__(self, rank: int, pid: int | None) -> None:
+        self.rank = rank
+        self.pid = pid
+
+
+def test_the_stall_watch_judges_state_and_heartbeat_against_its_bounds() -> None:
+    """A fake clock: a stopped process is named once stopped for its bound; a
+    heartbeat cell not stamped for its bound is named; a beat clears it; a
+    handle without a local pid is never judged."""
+    now = [100.0]
+    watch = StallWatch(3, stall_timeout_s=10.0, stopped_timeout_s=2.0, clock=lambda: now[0])
+    child = subprocess.Popen(["sleep", "60"])
+    handles = [_Handle(0, os.getpid()), _Handle(1, child.pid), _Handle(2, None)]
+    try:
+        assert watch.check(handles) is None
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + WAIT_S
+        while (stat := proc_stat(child.pid)) is not None and stat.state != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert watch.check(handles) is None  # stopped from now on (fake time)
+        now[0] += 2.5
+        stall = watch.check(handles)
+        assert stall is not None and (stall.rank, stall.pid, stall.seen) == (
+            1, child.pid, "stopped")
+        assert "for 2.5s (worker_stopped_timeout_s=2)" in stall.how
+        os.kill(child.pid, signal.SIGCONT)
+        now[0] += 20.0
+        stall = watch.check(handles)
+        assert stall is not None and (stall.rank, stall.seen) == (0, "silent")
+        assert "heartbeat for 22.5s" in stall.how
+        assert watch.segment is not None
+        watch.segment.store(0, int(now[0] * 1e9))  # rank 0 beats
+        stall = watch.check(handles)
+        assert stall is not None and stall.rank == 1
+    finally:
+        watch.close()
+        _resume(child.pid)
+        child.kill()
+        child.wait(WAIT_S)
