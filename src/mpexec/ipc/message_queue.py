@@ -72,8 +72,11 @@ and wakes every sleeper, so blocked calls in this process raise
 raise it at their next wake-up.  Because the segment is an anonymous memfd,
 nothing remains anywhere once the processes are gone.
 
-Threads: one thread may enqueue and one may dequeue on a given end at a time;
-``shutdown()`` may come from any thread.
+Threads: one thread at a time may use an end (``enqueue`` on the writer,
+``dequeue`` on a reader, ``wait_until_ready`` on either); ``shutdown()`` and
+``state()`` may come from any thread, during such a call.  The call then
+raises ``QueueClosedError``: the shared memory is released by whoever leaves
+last, never under a call (``endpoint.EndGuard``).
 """
 
 from __future__ import annotations
