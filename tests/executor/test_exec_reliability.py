@@ -117,17 +117,17 @@ def test_a_worker_holding_the_gil_is_named_by_its_silent_heartbeat() -> None:
 
 def test_a_busy_main_thread_keeps_its_heartbeat() -> None:
     """A long pure-Python call (or a sleep) is not a stall: the heartbeat runs beside it."""
-    config = make_config(worker_stall_timeout_s=0.5, worker_stopped_timeout_s=0.5)
+    config = make_config(worker_stall_timeout_s=2.0, worker_stopped_timeout_s=2.0)
     with MultiprocExecutor(config) as ex:
-        assert ex.collective_rpc("spin", args=(2.0,)) == [0, 1]
-        assert ex.collective_rpc("sleep", args=(1.5,)) == [0, 1]
+        assert ex.collective_rpc("spin", args=(4.0,)) == [0, 1]
+        assert ex.collective_rpc("sleep", args=(3.0,)) == [0, 1]
         assert not ex.is_failed
 
 
 @pytest.mark.parametrize(("how", "seen"), [("stop", "stopped"), ("hold_gil", "heartbeat")])
 def test_a_worker_stalled_in_start_up_fails_it_within_its_bound(how: str, seen: str) -> None:
     config = make_config(worker_kwargs={"fail_at": f"init_device:{how}", "fail_rank": 1},
-                         worker_stall_timeout_s=1.5, worker_stopped_timeout_s=1.0,
+                         worker_stall_timeout_s=3.0, worker_stopped_timeout_s=1.0,
                          startup_timeout_s=120.0)
     with pytest.raises(WorkerStartupError, match=rf"worker rank 1 \(pid \d+\) .*{seen}.* "
                        "during start-up") as info:
