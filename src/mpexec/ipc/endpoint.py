@@ -55,7 +55,7 @@ class EndGuard:
     __slots__ = ("lock", "busy", "closed", "released", "_segment", "_peers", "bulk")
 
     def __init__(self, segment: Segment, peers: dict[int, PeerWatch]) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a GC finalizer may re-enter a release
         self.busy = False
         self.closed = False
         self.released = False

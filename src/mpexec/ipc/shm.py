@@ -136,7 +136,9 @@ class Segment:
             ctypes.c_char * size).from_buffer(self.map)
         self.address = ctypes.addressof(self._anchor)
         self.closed = False
-        self._lock = threading.Lock()  # close() against store() from another thread
+        # close() against store() from another thread; reentrant, as a GC finalizer
+        # (a reader's bulk view let go) may run store() inside close() itself.
+        self._lock = threading.RLock()
 
     @classmethod
     def create(cls, name: str, size: int, what: str) -> Segment:
