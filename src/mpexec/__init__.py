@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "UndecodableMessageError": "mpexec.errors",
     "WorkerError": "mpexec.errors",
     "WorkerDiedError": "mpexec.errors",
+    "WorkerStalledError": "mpexec.errors",
     "WorkerStartupError": "mpexec.errors",
 }
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         UndecodableMessageError as UndecodableMessageError,
         WorkerDiedError as WorkerDiedError,
         WorkerError as WorkerError,
+        WorkerStalledError as WorkerStalledError,
         WorkerStartupError as WorkerStartupError,
     )
     from mpexec.executor import Executor as Executor

@@ -263,6 +263,13 @@ class ExecutorConfig:
     # CPU workers: OpenMP threads for every worker (int) or per local worker.
     omp_num_threads: int | Sequence[int] | None = None
     monitor_workers: bool = True
+    # The monitor (and the start-up wait) name a local worker that stops
+    # answering, whatever call it is in: stopped by a signal (state T in
+    # /proc) for worker_stopped_timeout_s, or silent on its heartbeat (a
+    # thread beside its busy main thread) for worker_stall_timeout_s: hung, or
+    # holding the GIL in one C call that long.  None turns a check off.
+    worker_stall_timeout_s: float | None = 60.0
+    worker_stopped_timeout_s: float | None = 5.0
 
     mq_max_chunk_bytes: int = 512 * 1024
     mq_max_chunks: int = 8
@@ -339,6 +346,10 @@ class ExecutorConfig:
                          positive=True, optional=True)
         _require_seconds("check_health_timeout_s", self.check_health_timeout_s, positive=True)
         _require_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
+        _require_seconds("worker_stall_timeout_s", self.worker_stall_timeout_s, positive=True,
+                         optional=True)
+        _require_seconds("worker_stopped_timeout_s", self.worker_stopped_timeout_s,
+                         positive=True, optional=True)
         _require_seconds("shutdown_grace_s", self.shutdown_grace_s, positive=False,
                          most=MAX_SHUTDOWN_STEP_S)
         _require_seconds("shutdown_term_s", self.shutdown_term_s, positive=False,

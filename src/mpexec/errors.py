@@ -13,6 +13,8 @@ UndecodableMessageError  a message arrived whole but could not be unpickled
 PeerDiedError            the process at the other end of a MessageQueue died
 WorkerError              a worker raised inside a method called on it
 WorkerDiedError          a worker process died; every pending and later call
+WorkerStalledError       a worker stopped answering (stopped by a signal, or its
+                         heartbeat silent): a WorkerDiedError, it was ended
 WorkerStartupError       a worker failed before it reported READY
 CollectiveFailedError    (inside a worker) a process group's collective failed,
                          most often because a peer of the group is gone
@@ -127,6 +129,19 @@ class WorkerDiedError(MpexecError, RuntimeError):
         if self.exitcode is None or self.exitcode >= 0:
             return None
         return describe_signal(-self.exitcode)
+
+
+class WorkerStalledError(WorkerDiedError):
+    """A worker stopped answering: stopped by a signal (``SIGSTOP``, state ``T``
+    in ``/proc``) or silent on its heartbeat (hung, or holding the GIL in one
+    C call) past its bound.  The executor killed it and has failed, as for a
+    death; ``seen`` says what was observed (``"stopped"`` or ``"silent"``).
+    """
+
+    def __init__(self, message: str, *, rank: int | None, pid: int | None,
+                 seen: str) -> None:
+        super().__init__(message, rank=rank, pid=pid, exitcode=None)
+        self.seen = seen
 
 
 class WorkerStartupError(MpexecError, RuntimeError):

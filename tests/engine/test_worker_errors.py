@@ -8,15 +8,20 @@ before a timer thread marks that patience spent.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mpexec.config import ExecutorConfig, ParallelConfig
+from mpexec.engine import EngineDeadError
 from mpexec.errors import CollectiveFailedError, WorkerDiedError, WorkerError
 from mpexec.executor import verdict
+from mpexec.outputs import SamplingParams
 
 PATIENCE_S = 30.0  # far beyond a prompt error; far below the patched verdict wait
 
@@ -172,3 +177,28 @@ def test_a_worker_value_error_in_a_tp2_llm_arrives_at_once(
         assert again.finished and again.token_ids == want
     finally:
         llm.shutdown()
+
+
+# -- a worker that dies while the engine is idle ---------------------------------------
+
+
+@pytest.mark.usefixtures("leak_check")
+def test_a_death_while_idle_is_named_by_the_next_request(engine_factory: Any) -> None:
+    """The executor's failure callback marks the engine dead; the next request's
+    EngineDeadError names the rank, the pid and the signal, the first
+    WorkerDiedError as its cause."""
+    engine = engine_factory("mp", tp=2)
+    executor = engine.executor
+    pid = executor.workers[1].pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + PATIENCE_S
+    while not engine.is_dead and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.is_dead
+    for _ in range(2):
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pid}\) died: killed by "
+                           "SIGKILL") as info:
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        cause = info.value.__cause__
+        assert isinstance(cause, WorkerDiedError) and cause is executor.failure
+        assert cause.rank == 1 and cause.pid == pid and cause.signal_name == "SIGKILL"

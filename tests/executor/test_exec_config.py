@@ -93,6 +93,10 @@ def test_parallel_config_derived_sizes() -> None:
         ({"worker_kwargs": [1]}, "worker_kwargs must be a dict"),
         ({"cpu_affinity": [["0"]]}, r"cpu_affinity\[0\] must be an integer"),
         ({"omp_num_threads": 2.5}, "omp_num_threads"),
+        ({"worker_stall_timeout_s": 0}, "worker_stall_timeout_s must be > 0"),
+        ({"worker_stall_timeout_s": float("inf")},
+         "worker_stall_timeout_s must be a finite number of seconds or None"),
+        ({"worker_stopped_timeout_s": -1}, "worker_stopped_timeout_s must be > 0"),
     ],
 )
 def test_executor_config_rejects(fields: dict, message: str) -> None:

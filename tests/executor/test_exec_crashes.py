@@ -20,7 +20,7 @@ import pytest
 from tests.executor.conftest import make_config
 from tests.executor.workers import CustomError, OnlyHere
 
-from mpexec.errors import WorkerDiedError, WorkerError
+from mpexec.errors import WorkerDiedError, WorkerError, WorkerStalledError
 from mpexec.executor import MultiprocExecutor
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -103,6 +103,29 @@ def _stop_then_kill(ex: MultiprocExecutor) -> Any:
     return future.result(timeout=WAIT_S)
 
 
+def _stop_mid_call(ex: MultiprocExecutor) -> Any:
+    """SIGSTOP rank 1 inside a call that has no deadline: the stopped worker is named."""
+    pid = ex.workers[1].pid
+    timer = threading.Timer(0.2, os.kill, (pid, signal.SIGSTOP))
+    timer.start()
+    try:
+        return ex.collective_rpc("sleep", args=(120.0,))
+    finally:
+        timer.join(WAIT_S)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _stalled(err: BaseException, ex: MultiprocExecutor) -> None:
+    assert isinstance(err, WorkerStalledError) and isinstance(err, WorkerDiedError)
+    assert err.rank == 1 and err.pid == ex.workers[1].pid and err.seen == "stopped"
+    assert ex.is_failed
+    with pytest.raises(WorkerStalledError, match="rank 1"):
+        ex.collective_rpc("echo", args=(1,))
+
+
 CASES = [
     CrashCase("raise in a method", lambda ex: ex.collective_rpc("raise_custom", args=("bad",)),
               WorkerError, "worker rank 0 raised .*CustomError in raise_custom: bad",
@@ -148,6 +171,9 @@ CASES = [
     CrashCase("SIGSTOP'd worker, then SIGKILL", _stop_then_kill,
               WorkerDiedError, "rank 1 .* killed by SIGKILL", usable_after=False,
               check=_killed),
+    CrashCase("SIGSTOP mid-call", _stop_mid_call,
+              WorkerStalledError, r"rank 1 \(pid \d+\) has been stopped", usable_after=False,
+              check=_stalled, config={"worker_stopped_timeout_s": 1.0}),
 ]
 
 

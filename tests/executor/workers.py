@@ -94,6 +94,10 @@ class EchoWorker(WorkerBase):
             time.sleep(60)
         if self.fail_at == f"{stage}:native":
             block_in_native_code()
+        if self.fail_at == f"{stage}:stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # as if frozen by a signal
+        if self.fail_at == f"{stage}:hold_gil":
+            self.hold_gil(60.0)
 
     def init_device(self) -> None:
         self._maybe_fail("init_device")
@@ -139,6 +143,23 @@ class EchoWorker(WorkerBase):
     def sleep(self, seconds: float, only_rank: int | None = None) -> int:
         if only_rank is None or only_rank == self.rank:
             time.sleep(seconds)
+        return self.rank
+
+    def hold_gil(self, seconds: float, only_rank: int | None = None) -> int:
+        """One C call that keeps the GIL throughout (PyDLL does not release it):
+        the heartbeat thread cannot run, as in a hung interpreter."""
+        if only_rank is None or only_rank == self.rank:
+            libc = ctypes.PyDLL(None)
+            libc.sleep.argtypes = [ctypes.c_uint]
+            libc.sleep(max(1, round(seconds)))
+        return self.rank
+
+    def spin(self, seconds: float) -> int:
+        """A pure-Python loop: busy, yet the interpreter hands the GIL around."""
+        end = time.monotonic() + seconds
+        count = 0
+        while time.monotonic() < end:
+            count += 1
         return self.rank
 
     def sigkill_self(self, only_rank: int = 0, delay_s: float = 0.0) -> None:

@@ -382,6 +382,12 @@ class Engine:
             return
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}") from self.error
+        # Failed while idle (the executor's failure callback): its first error
+        # says which worker and how.
+        cause = self.executor.failure
+        if cause is not None:
+            raise EngineDeadError("the engine failed: its executor reported a worker "
+                                  f"failure: {cause}") from cause
         raise EngineDeadError("the engine failed: its executor reported a worker failure")
 
     def shutdown(self) -> None:

@@ -181,6 +181,13 @@ class Executor(ABC):
         return self._failed
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the executor failed: the first failure's error (a
+        ``WorkerDiedError`` naming the rank, pid and signal), kept however
+        long ago it happened; None while it has not failed."""
+        return None
+
+    @property
     def death_verdict_s(self) -> float:
         """The longest a collective's failure may precede this executor's
         verdict on the death behind it (see ``executor.verdict``)."""

@@ -388,11 +388,14 @@ def admit_followers(cluster: NodeServer, handles: list[WorkerHandle], config: Ex
 
 
 def reply_handles_when_ready(local: list[WorkerHandle], cluster: NodeServer | None,
-                             deadline: float, timeout_s: float) -> dict[int, Handle]:
+                             deadline: float, timeout_s: float,
+                             tick: Callable[[], None] | None = None,
+                             tick_s: float = 0.05) -> dict[int, Handle]:
     """Every rank's reply-queue handle: the local workers' ``Ready`` (a lost
-    follower fails this wait too), then every follower's READY."""
+    follower fails this wait too), then every follower's READY.  ``tick``
+    runs every ``tick_s`` of the local wait (what it raises ends it)."""
     nodes = [] if cluster is None else list(cluster.nodes.values())
-    ready = wait_for_ready(local, deadline, timeout_s, watch=nodes)
+    ready = wait_for_ready(local, deadline, timeout_s, watch=nodes, tick=tick, tick_s=tick_s)
     handles = {message.rank: message.reply_handle for message in ready}
     if cluster is not None:
         handles.update(cluster.collect(deadline, timeout_s))

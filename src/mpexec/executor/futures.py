@@ -267,7 +267,8 @@ class CallOrder:
             if wait_deadline is None:
                 lock.acquire()
             elif not lock.acquire(timeout=max(0.0, wait_deadline - self.clock())):
-                raise TimeoutError(f"result() of {call.method} (call {call.call_id}) timed out")
+                raise TimeoutError(f"result() of {call.method} (call {call.call_id}) timed "
+                                   f"out{_unanswered(call)}")
             try:
                 if wait_deadline is None and pending and pending[0] is call:
                     self.resolve_own(call)
@@ -303,8 +304,8 @@ class CallOrder:
             elif call.deadline is not None and now >= call.deadline:
                 self._expire(call)
             elif wait_deadline is not None and now >= wait_deadline:
-                raise TimeoutError(
-                    f"result() of {call.method} (call {call.call_id}) timed out") from None
+                raise TimeoutError(f"result() of {call.method} (call {call.call_id}) timed "
+                                   f"out{_unanswered(call)}") from None
         except Exception as exc:  # the reader failed (e.g. a worker died)
             self.resolve(oldest, error=exc)
         while pending and pending[0].done:
@@ -349,7 +350,14 @@ class CallOrder:
 
     def _expire(self, call: PendingCall) -> None:
         after = "" if call.timeout is None else f" after {call.timeout:g}s"
-        self.resolve(call, error=TimeoutError(f"RPC call to {call.method} timed out{after}"))
+        self.resolve(call, error=TimeoutError(
+            f"RPC call to {call.method} timed out{after}{_unanswered(call)}"))
+
+
+def _unanswered(call: PendingCall) -> str:
+    """For a deadline's error: the ranks whose reply to ``call`` is not in."""
+    missing = [rank for rank in call.ranks if rank not in call.replies]
+    return f"; no reply from rank(s) {missing}" if missing else ""
 
 
 def _undecodable_error(method: str, exc: UndecodableReply) -> WorkerError:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
-from mpexec.errors import PeerDiedError, WorkerStartupError
+from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
 from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.protocol import Ready, StartupFailed
 from mpexec.ipc import MessageQueue
@@ -114,11 +114,17 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
 
 
 def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: float,
-              timeout_s: float, lost: Callable[[], str | None] | None = None) -> None:
+              timeout_s: float, lost: Callable[[], str | None] | None = None,
+              explain_closed: Callable[[QueueClosedError], WorkerStartupError | None]
+              | None = None) -> None:
     """The driver's half of the queue handshake, bounded by ``deadline``.
 
     ``lost``, when given, says why the start cannot finish (a follower node
-    is gone) or None; it is asked every ``_HANDSHAKE_SLICE_S`` of waiting.
+    is gone, a worker stalled) or None; it is asked every
+    ``_HANDSHAKE_SLICE_S`` of waiting.  Every way the handshake can fail is a
+    ``WorkerStartupError``: a queue shut down under it (a worker closed its
+    end, or a monitor tore the executor down meanwhile) included, explained
+    by ``explain_closed`` when it knows better (which worker died, and how).
     """
     # Ensure message queues are ready.  Will deadlock if re-ordered: each
     # worker waits on the broadcast queue before its reply queue, so we
@@ -128,6 +134,12 @@ def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: fl
             _wait_until_ready(mq, deadline, lost)
     except PeerDiedError as exc:
         raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
+    except QueueClosedError as exc:
+        error = None if explain_closed is None else explain_closed(exc)
+        if error is None:
+            error = WorkerStartupError(f"the queue handshake was cut short: {exc}",
+                                       rank=exc.reader_rank)
+        raise error from exc
     except TimeoutError as exc:
         raise WorkerStartupError(
             f"the queue handshake did not finish within {timeout_s:g}s "

@@ -18,7 +18,12 @@ A death (``worker_died``, from the monitor or from a caller whose queue
 closed) goes READY -> FAILED once: every pending call fails with its own
 ``WorkerDiedError`` and the queues close, which wakes any caller blocked on
 a reply at once; then the failure callbacks run (``fire_callbacks``), and
-only then ``teardown`` waits for the survivors.
+only then ``teardown`` waits for the survivors.  A worker that stopped
+answering (``worker_stalled``: stopped by a signal, or its heartbeat silent;
+the monitor asks ``stall`` every tick) fails the executor the same way, with
+``WorkerStalledError``, after it is killed.  The first failure is kept
+(``first_error``): every later call's error repeats its words (rank, pid,
+signal) and has it as ``__cause__``, however long the executor sat idle.
 
 ``teardown`` runs once, whoever calls it first, in this order:
 
@@ -28,7 +33,8 @@ only then ``teardown`` waits for the survivors.
 4. escalate: wait, SIGTERM, SIGKILL (``termination``);
 5. join the monitor and the reply pump; SIGKILL what is left in each
    worker's process group;
-6. close handles (pidfds, processes), the monitor's wake-up pipe, the port.
+6. close handles (pidfds, processes), the heartbeat segment, the monitor's
+   wake-up pipe, the port.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
 from mpexec.executor.futures import CallOrder
 from mpexec.executor.launcher import WorkerHandle
 from mpexec.executor.spec import PortReservation
+from mpexec.executor.stall import Stall, StallWatch
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc import MessageQueue
 
@@ -69,8 +76,11 @@ class Death:
     pid: int | None
     exitcode: int | None
     how: str = ""
+    stall: Stall | None = None  # it stopped answering (and was killed)
 
     def error(self) -> WorkerDiedError:
+        if self.stall is not None:
+            return self.stall.error()
         how = self.how or describe_exitcode(self.exitcode)
         # No pid: a follower node, and ``how`` names it and its ranks.
         what = f"worker rank {self.rank} (pid {self.pid}) died: " if self.pid is not None \
@@ -90,6 +100,9 @@ class Lifecycle:
         # state is READY: one attribute read on every call's path
         self.usable = False
         self.death: Death | None = None
+        # The first failure's error, kept as the cause of every later one.
+        self.first_error: WorkerDiedError | None = None
+        self.stall: StallWatch | None = None
         self.handles: list[WorkerHandle] = []
         self.queues: list[MessageQueue] = []
         self.calls: CallOrder | None = None
@@ -116,9 +129,15 @@ class Lifecycle:
                 self.usable = True
 
     def closed_error(self) -> Exception:
-        """What a call sees once the executor is no longer usable."""
-        if self.death is not None:
-            return self.death.error()
+        """What a call sees once the executor is no longer usable: after a
+        failure, a ``WorkerDiedError`` in the first one's words, with it as
+        ``__cause__`` (a fresh instance per call: each gets its own traceback)."""
+        first = self.first_error
+        if first is not None:
+            assert self.death is not None
+            error = self.death.error()
+            error.__cause__ = first
+            return error
         return QueueClosedError("the executor is shut down")
 
     def register_callback(self, callback: FailureCallback) -> None:
@@ -133,18 +152,40 @@ class Lifecycle:
         exitcode = handle.wait_exitcode()
         # A follower node's handle says which node and ranks were lost, and how.
         how = how or (handle.describe_exit() if handle.pid is None else "")
+        if not self._fail(Death(handle.rank, handle.pid, exitcode, how)):
+            return False
+        logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
+                     handle.name, how or describe_exitcode(exitcode))
+        self._after_fail()
+        return True
+
+    def worker_stalled(self, handle: WorkerHandle, stall: Stall) -> bool:
+        """Fail the executor because ``handle`` stopped answering, and kill it
+        (a stopped process takes no SIGTERM); True for the first failure."""
+        if not self._fail(Death(stall.rank, stall.pid, None, stall.how, stall)):
+            return False
+        logger.error("Worker proc %s %s; killing it and shutting down executor.",
+                     handle.name, stall.how)
+        handle.kill()
+        self._after_fail()
+        return True
+
+    def _fail(self, death: Death) -> bool:
         with self.lock:
             if self.state in (State.FAILED, State.CLOSED):
                 return False
             self.state = State.FAILED
             self.usable = False
-            death = self.death = Death(handle.rank, handle.pid, exitcode, how)
-        logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
-                     handle.name, how or describe_exitcode(exitcode))
+            self.death = death
+            self.first_error = death.error()
+        return True
+
+    def _after_fail(self) -> None:
+        death = self.death
+        assert death is not None
         if self.calls is not None:
             self.calls.fail_all(death.error)
         self._close_queues()
-        return True
 
     def worker_gone(self, handle: WorkerHandle, how: str = "", *,
                     teardown: bool = True) -> None:
@@ -174,22 +215,35 @@ class Lifecycle:
         thread.start()
 
     def watch(self) -> None:
-        """Wait for a worker death (or teardown); handle the failure."""
+        """Wait for a worker death, a stalled worker (or teardown); handle the failure."""
         poller = select.poll()  # not select(): descriptors above 1024 are common
         by_fd = {h.death_fd: h for h in self.handles}
         for fd in (*by_fd, self._wake_r):
             poller.register(fd, select.POLLIN)
+        stall = self.stall
+        tick_ms = None if stall is None or stall.tick_s is None else int(stall.tick_s * 1000)
+        stalled: Stall | None = None
         try:
-            ready = poller.poll()
+            while True:
+                ready = poller.poll(tick_ms)
+                if ready or stall is None:
+                    break
+                if self.state is State.READY:
+                    stalled = stall.check(self.handles)
+                    if stalled is not None:
+                        break
         finally:
             self._polling_done.set()
         with self.lock:
             closing = self.state is State.CLOSED
         dead = [by_fd[fd] for fd, _ in ready if fd in by_fd]
-        if closing or not dead:
+        if closing or not (dead or stalled):
             logger.debug("MultiprocWorkerMonitor: shutdown already initiated")
             return
-        self.worker_died(dead[0])
+        if dead:
+            self.worker_died(dead[0])
+        elif stalled is not None:
+            self.worker_stalled(self.handles[stalled.index], stalled)
         if self.state is State.FAILED:
             self.fire_callbacks()
             self.teardown()
@@ -240,6 +294,8 @@ class Lifecycle:
             if monitor is None or monitor is me or self._polling_done.is_set():
                 for handle in self.handles:
                     handle.close()
+                if self.stall is not None:
+                    self.stall.close()
                 for fd in (self._wake_r, self._wake_w):
                     os.close(fd)
             if self.port is not None:

@@ -63,6 +63,7 @@ from mpexec.executor.pump import ReplyPump
 from mpexec.executor.ranks import global_start_rank
 from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.spec import PortReservation, spec_factories, worker_contexts
+from mpexec.executor.stall import StallWatch, startup_guard
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.verdict import closing_rank, first_gone
@@ -184,7 +185,9 @@ class MultiprocExecutor(Executor):
         contexts = worker_contexts(config, life.port.init_method, self.shared_worker_lock)
         launcher = LocalProcessLauncher(context)
         handle = mq.export_handle()
-        for spec_for in spec_factories(config, contexts, handle):
+        stall = life.stall = StallWatch(self.local_world_size, config.worker_stall_timeout_s,
+                                        config.worker_stopped_timeout_s)
+        for spec_for in spec_factories(config, contexts, handle, stall.ref(), stall.beat_s):
             life.handles.append(launcher.start(spec_for))
         # Every worker exists before we wait for any: a real worker's
         # init_device joins a collective with all of its peers (followers'
@@ -194,8 +197,11 @@ class MultiprocExecutor(Executor):
         if cluster is not None:
             self._remote_handles = admit_followers(cluster, life.handles, config, handle,
                                                    life.port.init_method, deadline)
+        # A stopped or hung worker fails the start within its bound, not at the deadline.
+        stalled = startup_guard(stall, local_handles) if stall.enabled else None
         reply_handles = reply_handles_when_ready(local_handles, cluster, deadline,
-                                                 config.startup_timeout_s)
+                                                 config.startup_timeout_s, stalled,
+                                                 stall.tick_s or 0.05)
         for rank in range(self._start_rank, self._start_rank + self.world_size):
             # Remote ranks' reply queues are read over the network (the
             # seed's peer_worker_response_mqs); local ones through shared memory.
@@ -205,14 +211,20 @@ class MultiprocExecutor(Executor):
             self.response_mqs.append(reply_mq)
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
-        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s,
-                  None if cluster is None else cluster.lost_during_start)
+        lost = None if cluster is None else cluster.lost_during_start
+        if stalled is not None:
+            lost = partial(_lost_or_stalled, stalled, lost)
+        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s, lost)
 
     # -- health ---------------------------------------------------------------------
 
     @property
     def is_failed(self) -> bool:
         return self.lifecycle.failed
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.lifecycle.first_error
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback`` once when the executor fails (at once if it has)."""
@@ -388,8 +400,9 @@ class MultiprocExecutor(Executor):
             except QueueClosedError as exc:
                 raise self._closed_error(None, exc) from exc
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"RPC call to {name} timed out: the workers did not "
-                                   "take it from the broadcast queue in time")
+                raise TimeoutError(f"RPC call to {name} timed out: rank(s) "
+                                   f"{_lagging(mq)} did not take it from the broadcast "
+                                   "queue in time")
             self.replies.drain()
             wait_s = min(max(2 * wait_s, _FIRST_ENQUEUE_WAIT_S), _MAX_ENQUEUE_WAIT_S)
 
@@ -405,6 +418,19 @@ class MultiprocExecutor(Executor):
     @classmethod
     def supports_async_scheduling(cls) -> bool:
         return True
+
+
+def _lagging(mq: MessageQueue) -> list[int] | str:
+    try:
+        return mq.lagging_ranks()
+    except QueueClosedError:
+        return "?"
+
+
+def _lost_or_stalled(stalled: Callable[[], None],
+                     lost: Callable[[], str | None] | None) -> str | None:
+    stalled()  # raises WorkerStartupError for a stalled worker
+    return None if lost is None else lost()
 
 
 __all__ = ["MultiprocExecutor", "WorkerStartupError"]

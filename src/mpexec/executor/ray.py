@@ -243,15 +243,8 @@ class RayExecutor(MultiprocExecutor):
         assert self.rpc_broadcast_mq is not None
         # A remote reader cannot see its peer die: the watcher, already, can.
         state.start_watcher(life)
-        try:
-            handshake(self.rpc_broadcast_mq, self.response_mqs, deadline,
-                      config.startup_timeout_s)
-        except QueueClosedError as exc:
-            death = life.death
-            if death is None:
-                raise
-            raise WorkerStartupError(f"worker rank {death.rank} died during the queue "
-                                     f"handshake: {death.how}", rank=death.rank) from exc
+        handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
+                  explain_closed=partial(_death_in_handshake, life))
 
     # -- failure ------------------------------------------------------------------
 
@@ -290,6 +283,15 @@ class RayExecutor(MultiprocExecutor):
             return
         assert isinstance(self.replies, RayReplies)
         self.replies.submit(message)
+
+
+def _death_in_handshake(life: Lifecycle, exc: QueueClosedError) -> WorkerStartupError | None:
+    """The watcher tore the queues down under the handshake: which actor died."""
+    death = life.death
+    if death is None:
+        return None
+    return WorkerStartupError(f"worker rank {death.rank} died during the queue handshake: "
+                              f"{death.how}", rank=death.rank)
 
 
 def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,

@@ -32,6 +32,7 @@ from mpexec.executor.context import WorkerContext
 from mpexec.executor.ranks import global_start_rank, is_driver_worker, worker_name
 from mpexec.executor.tracing import current_carrier
 from mpexec.ipc import Handle
+from mpexec.ipc.shm import SegmentRef
 from mpexec.system import thread_vars
 from mpexec.system.topology import allowed_cpus, numa_nodes, partition_cpus
 
@@ -65,6 +66,11 @@ class WorkerSpec:
     # A worker forked from the fork server inherits the server's environment,
     # not the driver's: the driver's (thread_env included) travels here.
     environ: Mapping[str, str] | None = field(default=None, repr=False)
+    # The driver's heartbeat segment (``stall``): this worker stamps cell
+    # ``heartbeat_index`` every ``heartbeat_s``; None: no heartbeat.
+    heartbeat: SegmentRef | None = None
+    heartbeat_index: int = 0
+    heartbeat_s: float = 1.0
 
     @property
     def rank(self) -> int:
@@ -120,9 +126,11 @@ def local_cpu_sets(config: ExecutorConfig) -> list[list[int]] | None:
 
 
 def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
-                   broadcast_handle: Handle, **extra: Any) -> list[partial[WorkerSpec]]:
+                   broadcast_handle: Handle, heartbeat: SegmentRef | None = None,
+                   heartbeat_s: float = 1.0, **extra: Any) -> list[partial[WorkerSpec]]:
     """One ``WorkerSpec`` factory per context, for ``WorkerLauncher.start``
-    (the launcher adds the pipes); ``extra`` are further ``WorkerSpec`` fields."""
+    (the launcher adds the pipes); ``heartbeat`` is the driver's heartbeat
+    segment (cell = local rank); ``extra`` are further ``WorkerSpec`` fields."""
     # PR_SET_PDEATHSIG follows the thread that starts the child: arm it only
     # when that thread lives as long as the process.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -144,7 +152,9 @@ def spec_factories(config: ExecutorConfig, contexts: list[WorkerContext],
             WorkerSpec, context=ctx, broadcast_handle=broadcast_handle,
             driver_pid=os.getpid(), parent_death_signal=main_thread, trace=config.trace,
             trace_parent=trace_parent,
-            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env, **extra))
+            cpu_affinity=None if cpus is None else tuple(cpus), thread_env=env,
+            heartbeat=heartbeat, heartbeat_index=ctx.local_rank, heartbeat_s=heartbeat_s,
+            **extra))
     return factories
 
 

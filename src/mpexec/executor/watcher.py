@@ -20,6 +20,11 @@ never come, a hung collective) would sit on SIGTERM until SIGKILL.  The
 :class:`SignalBackstop` thread hears each SIGTERM/SIGINT through the
 interpreter's wakeup descriptor; if the handler has not run within
 ``SIGNAL_GRACE_S``, it ends the process by that signal itself.
+
+:class:`Heartbeat` is the worker's half of the driver's stall check
+(``stall``): a thread that stamps this worker's cell in the driver's
+heartbeat segment with CLOCK_MONOTONIC every beat, from the start of
+``worker_main`` to its end, whatever the main thread is busy with.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from multiprocessing.connection import Connection
 
 from mpexec.ipc import MessageQueue
+from mpexec.ipc.shm import Segment, SegmentRef
 from mpexec.system import kill_process_group, process_gone
 
 logger = logging.getLogger(__name__)
@@ -105,6 +111,39 @@ class DeathPipeWatcher:
         self.stopping.set()
         for mq in self._queues or ():
             mq.shutdown()
+
+
+class Heartbeat:
+    """Stamps cell ``index`` of the driver's heartbeat segment every ``period_s``."""
+
+    def __init__(self, ref: SegmentRef, index: int, period_s: float) -> None:
+        self._ref = ref
+        self._index = index
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._segment: Segment | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._segment = Segment.attach(self._ref, "the driver's heartbeat segment")
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="WorkerHeartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        assert self._segment is not None
+        self._segment.store(self._index, time.monotonic_ns())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * self._period_s + 1.0)
+        if self._segment is not None:
+            self._segment.close()
 
 
 def end_own_group() -> None:

@@ -55,7 +55,7 @@ from mpexec.executor.protocol import (
 from mpexec.executor.ranks import worker_name
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import NO_TRACER, Tracer
-from mpexec.executor.watcher import DeathPipeWatcher, SignalBackstop, end_own_group
+from mpexec.executor.watcher import DeathPipeWatcher, Heartbeat, SignalBackstop, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
 from mpexec.ipc import MessageQueue
 from mpexec.outputs import AsyncModelRunnerOutput
@@ -327,6 +327,8 @@ def worker_main(spec: WorkerSpec) -> None:
     # the fork server's command line).
     set_process_title(worker_name(spec.rank, spec.config.parallel))
     _prepare_process(spec)
+    heartbeat = None if spec.heartbeat is None else Heartbeat(
+        spec.heartbeat, spec.heartbeat_index, spec.heartbeat_s)
     ready_writer: Connection = spec.ready_pipe
     reported = False
     rank = spec.rank
@@ -335,6 +337,8 @@ def worker_main(spec: WorkerSpec) -> None:
     tracer = NO_TRACER
     failed = False
     try:
+        if heartbeat is not None:
+            heartbeat.start()  # first: the driver judges start-up by it too (``stall``)
         watcher.start()
         _configure_logging(spec.config.log_level)
         apply_cpu_affinity(spec.cpu_affinity)
@@ -360,8 +364,7 @@ def worker_main(spec: WorkerSpec) -> None:
         worker.worker_busy_loop()
     except Exception as exc:
         # The driver shut the broadcast queue, closed the death pipe or died:
-        # what failed here is a consequence (a QueueClosedError, or a
-        # ValueError from a mapping the watcher released under us), not news.
+        # what failed here is a consequence (a QueueClosedError), not news.
         ended_by_driver = signalled.is_set() or watcher.stopping.is_set() or isinstance(
             exc, QueueClosedError)
         if not reported:
@@ -390,6 +393,8 @@ def worker_main(spec: WorkerSpec) -> None:
             worker.shutdown()
         tracer.shutdown()
         spec.death_pipe.close()
+        if heartbeat is not None:
+            heartbeat.stop()
         watcher.main_done.set()
         if watcher.driver_gone():
             end_own_group()  # nobody else will end what we started

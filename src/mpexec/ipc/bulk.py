@@ -238,6 +238,7 @@ class BulkRelease:
         self.generation = generation
 
     def __call__(self) -> None:
-        if not self.segment.closed:
-            sync.release_fence()
-            self.segment.cells[self.cell] = self.generation
+        # The queue may have been shut down meanwhile, in another thread: the
+        # segment checks that and writes under one lock.
+        sync.release_fence()
+        self.segment.store(self.cell, self.generation)

@@ -3,13 +3,16 @@
 :class:`QueueEnd` sets every attribute of a queue end in one place (writer and
 reader alike), and carries what both ends share: the slow-path wait, the
 liveness checks run on every tick of a wait, and the progress line that says
-who is behind.  The protocol itself is in ``message_queue``.
+who is behind.  :class:`EndGuard` is the one owner of an end's shared memory:
+who is inside it, whether it is closed, and its one release.  The protocol
+itself is in ``message_queue``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +25,65 @@ from mpexec.ipc.peers import PeerWatch
 from mpexec.ipc.serialization import Encoder
 from mpexec.ipc.shm import Segment
 from mpexec.ipc.waiting import wait_until
+
+
+class EndGuard:
+    """Who is inside one end's shared memory, and the one release of it.
+
+    Teardown (``shutdown``, from any thread) and the end's user (one thread at
+    a time: ``enqueue``, ``dequeue`` or the handshake) meet here, so that the
+    memory is never unmapped under a call::
+
+        user                                   shutdown
+        ----                                   --------
+        busy = True                            closed = True (under lock:
+        if closed: leave, QueueClosedError       mark closed in shared memory, wake)
+        ... touch the ring ...                 wait (bounded) until not busy
+        busy = False                           release_if_idle()
+        if closed: release_if_idle()
+
+    Under the GIL each thread's stores are seen in order by the others, so
+    either the user sees ``closed`` before it touches anything and leaves, or
+    shutdown sees it inside and waits; a waiting user sees ``closed`` within a
+    tick and leaves.  Whoever comes last releases (``release_if_idle`` under
+    ``lock``; it runs once): shutdown, or the user on its way out should it
+    still be inside when shutdown stops waiting.  Readers from other threads
+    (``state()``, ``export_handle()``) hold ``lock`` and check ``released``.
+    The hot path pays two stores and two loads, no lock.
+    """
+
+    __slots__ = ("lock", "busy", "closed", "released", "_segment", "_peers", "bulk")
+
+    def __init__(self, segment: Segment, peers: dict[int, PeerWatch]) -> None:
+        self.lock = threading.RLock()  # a GC finalizer may re-enter a release
+        self.busy = False
+        self.closed = False
+        self.released = False
+        self._segment = segment
+        self._peers = peers
+        self.bulk: BulkWriter | None = None
+
+    def leave(self) -> None:
+        """The user is out; the last one out after a shutdown releases."""
+        self.busy = False
+        if self.closed:
+            self.release_if_idle()
+
+    def release_if_idle(self) -> None:
+        """Unmap the ring and close what it holds, once, unless someone is inside."""
+        with self.lock:
+            if self.released or self.busy:
+                return
+            self.released = True
+            if self.bulk is not None:
+                self.bulk.close()
+            _release_local(self._segment, self._peers)
+
+    def finalize(self) -> None:
+        """Garbage collection or interpreter exit: close and release if idle (a
+        daemon thread still inside at exit keeps it until the process ends)."""
+        self.closed = True
+        self.release_if_idle()
 
 
 class QueueEnd:
@@ -49,14 +111,13 @@ class QueueEnd:
         self._pid = os.getpid()
         self._token = 0
         self._seq = 0
-        self._closed = False
-        self._busy = False
+        self._peers = {}
+        self._guard = EndGuard(segment, self._peers)
         self._spin_s = spin_s
         self._tick_s = tick_s
         self._log_interval_s = log_interval_s
         self._encoder = Encoder()
         self._bulk = None
-        self._peers = {}
         self._write_seq_addr = segment.address + sync.low_word_offset(
             layout.WRITE_SEQ_CELL * 8)
         self._ready_addr = segment.address + sync.low_word_offset(layout.READY_CELL * 8)
@@ -69,7 +130,7 @@ class QueueEnd:
         self._chunk_bytes = geometry.chunk_bytes
         # The writer may publish every seq below this without looking at readers.
         self._free_until = geometry.max_chunks
-        self._finalizer = weakref.finalize(self, _release_local, segment, self._peers)
+        self._finalizer = weakref.finalize(self, self._guard.finalize)
 
     def _wait(self, ready: Callable[[], bool], futex_word: Callable[[], tuple[int, int]] | None,
               sleeping_cell: int | None, deadline: float | None, check: Callable[[], None],
@@ -92,8 +153,27 @@ class QueueEnd:
                    log_level=log_level)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._guard.closed:
             raise QueueClosedError(f"queue {self.name!r} was shut down")
+
+    def _enter(self) -> EndGuard:
+        """Announce the user inside (see :class:`EndGuard`); closed: leave and raise."""
+        guard = self._guard
+        guard.busy = True
+        if guard.closed:
+            guard.leave()
+            self._check_open()
+        return guard
+
+    def _observe(self) -> EndGuard:
+        """For a reader of shared memory from any thread: take ``guard.lock``
+        (release it after the read) and raise once the ring is released."""
+        guard = self._guard
+        guard.lock.acquire()
+        if guard.released:
+            guard.lock.release()
+            raise QueueClosedError(f"queue {self.name!r} was shut down")
+        return guard
 
     def _check_writer(self) -> None:
         if self._cells[layout.CLOSED_CELL]:
@@ -136,19 +216,24 @@ class QueueEnd:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._guard.closed
 
     def state(self) -> QueueState:
-        """What the shared header says now (either end may ask; tests and
-        progress lines use it to observe, e.g., that a reader is asleep)."""
-        cells = self._cells
-        return QueueState(
-            published=int(cells[layout.WRITE_SEQ_CELL]),
-            consumed=tuple(int(cells[c]) for c in self._read_seq_cells),
-            sleeping=tuple(bool(cells[c]) for c in self._sleeping_cells),
-            writer_waiting=bool(cells[layout.WRITER_WAITING_CELL]),
-            writer_closed=bool(cells[layout.CLOSED_CELL]),
-        )
+        """What the shared header says now (either end may ask, from any thread;
+        tests and progress lines use it to observe, e.g., that a reader is
+        asleep).  ``QueueClosedError`` once this end is shut down and released."""
+        guard = self._observe()
+        try:
+            cells = self._cells
+            return QueueState(
+                published=int(cells[layout.WRITE_SEQ_CELL]),
+                consumed=tuple(int(cells[c]) for c in self._read_seq_cells),
+                sleeping=tuple(bool(cells[c]) for c in self._sleeping_cells),
+                writer_waiting=bool(cells[layout.WRITER_WAITING_CELL]),
+                writer_closed=bool(cells[layout.CLOSED_CELL]),
+            )
+        finally:
+            guard.lock.release()
 
 
 @dataclass(frozen=True)

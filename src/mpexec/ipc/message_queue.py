@@ -72,8 +72,11 @@ and wakes every sleeper, so blocked calls in this process raise
 raise it at their next wake-up.  Because the segment is an anonymous memfd,
 nothing remains anywhere once the processes are gone.
 
-Threads: one thread may enqueue and one may dequeue on a given end at a time;
-``shutdown()`` may come from any thread.
+Threads: one thread at a time may use an end (``enqueue`` on the writer,
+``dequeue`` on a reader, ``wait_until_ready`` on either); ``shutdown()`` and
+``state()`` may come from any thread, during such a call.  The call then
+raises ``QueueClosedError``: the shared memory is released by whoever leaves
+last, never under a call (``endpoint.EndGuard``).
 """
 
 from __future__ import annotations
@@ -269,6 +272,10 @@ class MessageQueue(QueueEnd):
         """The next message, in order (reader only)."""
         raise self._wrong_end("dequeue", "reader")
 
+    def lagging_ranks(self) -> list[int]:
+        """The reader ranks a full ring waits for (writer only)."""
+        raise self._wrong_end("lagging_ranks", "writer")
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Writer: enqueue ``obj`` and return it.  Reader: return the next message."""
         raise NotImplementedError
@@ -291,36 +298,47 @@ class MessageQueue(QueueEnd):
     # -- closing --------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Close this end; wakes blocked calls here at once, the other side soon."""
-        if self._closed:
-            return
-        self._closed = True
-        segment = self._segment
-        if self._pid == os.getpid() and not segment.closed:
-            self._mark_closed()
-            sync.full_fence()
-            sync.futex_wake(self._write_seq_addr)
-            sync.futex_wake(self._ready_addr)
-            for cell in self._read_seq_cells:
-                sync.futex_wake(segment.address + sync.low_word_offset(cell * 8))
-            # A call blocked in another thread is waking up now; let it leave
-            # the shared memory before the mapping goes away.
-            deadline = time.monotonic() + _CLOSE_GRACE_S
-            while self._busy and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            if self._busy:
-                logger.warning("queue %r: a call is still inside the queue after %.0f s; "
-                               "leaving its memory mapped", self.name, _CLOSE_GRACE_S)
+        """Close this end; wakes blocked calls here at once, the other side soon.
+
+        Any thread may call it, while another is blocked in a call on this
+        end: that call raises ``QueueClosedError``, and the shared memory is
+        released only once it has left (see ``endpoint.EndGuard``).
+        """
+        guard = self._guard
+        with guard.lock:
+            if guard.closed:
                 return
-        if self._bulk is not None:
-            self._bulk.close()
-        self._finalizer()
+            guard.closed = True
+            if self._pid != os.getpid():
+                # A forked copy: no thread of this process is inside; let go of
+                # the inherited mapping without telling the parent's peers.
+                guard.busy = False
+            elif not guard.released:
+                segment = self._segment
+                self._mark_closed()
+                sync.full_fence()
+                sync.futex_wake(self._write_seq_addr)
+                sync.futex_wake(self._ready_addr)
+                for cell in self._read_seq_cells:
+                    sync.futex_wake(segment.address + sync.low_word_offset(cell * 8))
+        # A call blocked in another thread is waking up now; let it leave the
+        # shared memory, then release it here.  Should it still be inside
+        # after the grace, it releases the memory itself on its way out.
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while guard.busy and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if guard.busy:
+            logger.warning("queue %r: a call is still inside the queue after %.0f s; it "
+                           "releases the memory when it leaves", self.name, _CLOSE_GRACE_S)
+        guard.release_if_idle()
+        if guard.released:
+            self._finalizer.detach()
 
     def _mark_closed(self) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
         role = "writer" if self._is_writer else f"reader {self._reader}"
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._guard.closed else "open"
         return (f"<MessageQueue {self.name!r} {role} {state} readers={self._layout.n_readers} "
                 f"chunks={self._layout.max_chunks}x{self._layout.chunk_bytes}>")

@@ -96,11 +96,14 @@ class MessageQueueReader(MessageQueue):
         next call) at INFO when some reader lags behind the writer - a stuck
         peer - and at DEBUG when everyone is merely idle.
         """
-        if self._closed:
-            self._check_open()
         reader = self._reader
         assert reader is not None
-        self._busy = True
+        # Inside from here (see EndGuard): announced before closed is looked at.
+        guard = self._guard
+        guard.busy = True
+        if guard.closed:
+            guard.leave()
+            self._check_open()
         try:
             seq = self._seq
             cells = self._cells
@@ -146,7 +149,9 @@ class MessageQueueReader(MessageQueue):
                 if cells[layout.WRITER_WAITING_CELL]:
                     sync.futex_wake(self._segment.address + sync.low_word_offset(read_cell * 8))
         finally:
-            self._busy = False
+            guard.busy = False
+            if guard.closed:
+                guard.release_if_idle()
         if view is None:
             return obj
         try:
@@ -162,11 +167,15 @@ class MessageQueueReader(MessageQueue):
             f"{type(exc).__name__}: {exc}")
 
     def _handshake(self, deadline: float | None) -> None:
-        cells = self._cells
-        ready_addr = self._ready_addr
-        self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
-                   deadline, self._check_writer, "wait_until_ready (writer)")
-        sync.acquire_fence()
+        guard = self._enter()
+        try:
+            cells = self._cells
+            ready_addr = self._ready_addr
+            self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
+                       deadline, self._check_writer, "wait_until_ready (writer)")
+            sync.acquire_fence()
+        finally:
+            guard.leave()
 
     def _mark_closed(self) -> None:
         assert self._reader is not None

@@ -272,6 +272,14 @@ class RemoteWriter(WriterControl, MessageQueue):
             parts.append(f"remote rank {rank} {state}")
         return f"writer published {self._seq}; " + ", ".join(parts)
 
+    def lagging_ranks(self) -> list[int]:
+        """The reader ranks a full ring waits for (local: a whole ring behind;
+        remote: no credit, a window of messages unacknowledged)."""
+        ranks = [] if self._local is None else list(self._local.lagging_ranks())
+        floor = self._seq - self._window
+        ranks += [rank for rank, acked in self._log.acked.items() if acked <= floor]
+        return sorted(ranks)
+
     # -- publishing -------------------------------------------------------------------
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:

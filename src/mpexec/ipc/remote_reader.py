@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -91,7 +92,11 @@ class RemoteReader(MessageQueue):
         self.local_reader_ranks = list(handle.local_reader_ranks)
         self.rank = rank
         self._closed = False
+        # The user's call and shutdown meet as on a shared-memory end
+        # (endpoint.EndGuard): the socket is closed once, by whoever is last.
         self._busy = False
+        self._end_lock = threading.Lock()
+        self._sock_closed = False
         self._pid = os.getpid()
         self._tick_s = tick_s
         self._seq = 0
@@ -158,8 +163,19 @@ class RemoteReader(MessageQueue):
     def broadcast_object(self, obj: Any = None) -> Any:
         return self.dequeue()
 
+    def _enter_call(self) -> None:
+        self._busy = True  # announced before closed is looked at
+        if self._closed:
+            self._leave_call()
+            raise QueueClosedError(f"queue {self.name!r} was shut down")
+
+    def _leave_call(self) -> None:
+        self._busy = False
+        if self._closed:
+            self._close_socket_if_idle()
+
     def _handshake(self, deadline: float | None) -> None:
-        self._busy = True
+        self._enter_call()
         try:
             hello_at = time.monotonic() + _HELLO_REPEAT_S
             while not self._welcomed:
@@ -177,8 +193,8 @@ class RemoteReader(MessageQueue):
                         hello_at = time.monotonic() + _HELLO_REPEAT_S
                         self._hello()
         finally:
-            self._busy = False
             self._end_monitor()
+            self._leave_call()
 
     def _check_curve_handshake(self) -> None:
         """A CURVE mismatch fails inside ZeroMQ, before any frame: the socket
@@ -196,10 +212,8 @@ class RemoteReader(MessageQueue):
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message, in order; frames that fail authentication are dropped."""
-        if self._closed:
-            raise QueueClosedError(f"queue {self.name!r} was shut down")
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._busy = True
+        self._enter_call()
         try:
             if self._seq - self._acked >= self._ack_every:
                 # Due since the last message: sent now, just before this read
@@ -213,7 +227,7 @@ class RemoteReader(MessageQueue):
             if message.__class__ is not bytes and len(message.parts) > 1:  # type: ignore[union-attr]
                 self._tell(ACK)  # large parts: let the writer free them at once
         finally:
-            self._busy = False
+            self._leave_call()
         try:
             if isinstance(message, bytes):
                 return pickle.loads(message)
@@ -353,15 +367,24 @@ class RemoteReader(MessageQueue):
         return None
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._end_lock:
+            if self._closed:
+                return
+            self._closed = True
         if self._pid != os.getpid():
             return
+        # A call in another thread sees ``closed`` within a tick and leaves;
+        # should it still be inside after the grace, it closes the socket itself.
         deadline = time.monotonic() + CLOSE_GRACE_S
         while self._busy and time.monotonic() < deadline:
             time.sleep(0.001)
-        if not self._busy:
+        self._close_socket_if_idle()
+
+    def _close_socket_if_idle(self) -> None:
+        with self._end_lock:
+            if self._sock_closed or self._busy or self._pid != os.getpid():
+                return
+            self._sock_closed = True
             try:
                 self._sock.send_multipart(self._out.seal(CLOSE, self.rank, self._seq, []),
                                           zmq_module().NOBLOCK)

@@ -28,6 +28,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,9 @@ class Segment:
             ctypes.c_char * size).from_buffer(self.map)
         self.address = ctypes.addressof(self._anchor)
         self.closed = False
+        # close() against store() from another thread; reentrant, as a GC finalizer
+        # (a reader's bulk view let go) may run store() inside close() itself.
+        self._lock = threading.RLock()
 
     @classmethod
     def create(cls, name: str, size: int, what: str) -> Segment:
@@ -156,21 +160,30 @@ class Segment:
     def ref(self) -> SegmentRef:
         return SegmentRef(os.getpid(), self.fd, os.fstat(self.fd).st_ino, self.size)
 
+    def store(self, cell: int, value: int) -> bool:
+        """Write one cell from any thread (a finalizer's); False once closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.cells[cell] = value
+            return True
+
     def close(self) -> None:
         """Unmap and close; views still held elsewhere keep the memory alive."""
-        if self.closed:
-            return
-        self.closed = True
-        self.cells.release()
-        self.bytes.release()
-        self._anchor = None
-        try:
-            self.map.close()
-        except BufferError:
-            pass  # someone still holds a view; the mapping goes with it
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.fd = -1
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.cells.release()
+            self.bytes.release()
+            self._anchor = None
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # someone still holds a view; the mapping goes with it
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = -1
 
 
 def map_private(fd: int, size: int, on_unmap: Callable[[], None] | None = None) -> memoryview:

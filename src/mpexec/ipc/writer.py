@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from functools import partial
 from typing import Any
 
 from mpexec.ipc import layout, sync
@@ -93,18 +94,43 @@ class MessageQueueWriter(MessageQueue):
         self.n_local_reader = n_local_reader
         self.local_reader_ranks = list(local_reader_ranks)
         self._token = token
-        self._bulk = BulkWriter(name, self._bulk_released)
+        # Not a bound method: the guard (held by the finalizer) owns the bulk
+        # writer, and must not keep this queue alive through it.
+        self._bulk = BulkWriter(name, partial(_bulk_released, cells, geometry))
+        self._guard.bulk = self._bulk
 
     def unattached_ranks(self) -> list[int]:
         """The local reader ranks that have not attached yet (for a clear error)."""
-        cells = self._cells
-        return [rank for index, rank in enumerate(self.local_reader_ranks)
-                if cells[self._layout.reader_cell(index, layout.STATE)] != layout.STATE_ATTACHED]
+        guard = self._observe()
+        try:
+            cells = self._cells
+            return [rank for index, rank in enumerate(self.local_reader_ranks)
+                    if cells[self._layout.reader_cell(index, layout.STATE)]
+                    != layout.STATE_ATTACHED]
+        finally:
+            guard.lock.release()
+
+    def lagging_ranks(self) -> list[int]:
+        """The reader ranks a full ring waits for: a whole ring behind the writer
+        (for a deadline's error: who did not take the call)."""
+        guard = self._observe()
+        try:
+            cells = self._cells
+            behind = cells[layout.WRITE_SEQ_CELL] - self._max_chunks
+            return [rank for rank, cell in zip(self.local_reader_ranks, self._read_seq_cells,
+                                               strict=True) if cells[cell] <= behind]
+        finally:
+            guard.lock.release()
 
     def export_handle(self) -> Handle:
+        guard = self._observe()
+        try:
+            buffer = self._segment.ref()
+        finally:
+            guard.lock.release()
         return Handle(
             local_reader_ranks=list(self.local_reader_ranks),
-            buffer=self._segment.ref(),
+            buffer=buffer,
             n_reader=self.n_reader,
             max_chunks=self._layout.max_chunks,
             max_chunk_bytes=self._layout.chunk_bytes,
@@ -133,10 +159,15 @@ class MessageQueueWriter(MessageQueue):
         encoded.  On ``TimeoutError`` nothing was published: retrying the
         same encoded message is safe and pickles nothing again.
         """
-        if self._closed:
+        guard = self._guard
+        if guard.closed:
             self._check_open()
         data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
-        self._busy = True
+        # Inside from here (see EndGuard): announced before closed is looked at.
+        guard.busy = True
+        if guard.closed:
+            guard.leave()
+            self._check_open()
         try:
             seq = self._seq
             cells = self._cells
@@ -174,19 +205,25 @@ class MessageQueueWriter(MessageQueue):
                     sync.futex_wake(self._write_seq_addr)
                     break
         finally:
-            self._busy = False
+            guard.busy = False
+            if guard.closed:
+                guard.release_if_idle()
 
     def _handshake(self, deadline: float | None) -> None:
-        cells = self._cells
-        state_cells = [self._layout.reader_cell(r, layout.STATE)
-                       for r in range(self._layout.n_readers)]
-        self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
-                   None, None, deadline, self._check_all_readers,
-                   "wait_until_ready (readers attaching)")
-        sync.release_fence()
-        cells[layout.READY_CELL] = 1
-        sync.full_fence()
-        sync.futex_wake(self._ready_addr)
+        guard = self._enter()
+        try:
+            cells = self._cells
+            state_cells = [self._layout.reader_cell(r, layout.STATE)
+                           for r in range(self._layout.n_readers)]
+            self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
+                       None, None, deadline, self._check_all_readers,
+                       "wait_until_ready (readers attaching)")
+            sync.release_fence()
+            cells[layout.READY_CELL] = 1
+            sync.full_fence()
+            sync.futex_wake(self._ready_addr)
+        finally:
+            guard.leave()
 
     def _mark_closed(self) -> None:
         self._cells[layout.CLOSED_CELL] = 1
@@ -224,12 +261,14 @@ class MessageQueueWriter(MessageQueue):
         self._wait(lambda: min(cells[c] for c in read_cells) > must_exceed, futex_word,
                    layout.WRITER_WAITING_CELL, deadline, check_behind, "enqueue (ring full)")
 
-    def _bulk_released(self, slot: int, generation: int) -> bool:
-        cells = self._cells
-        geometry = self._layout
-        for r in range(geometry.n_readers):
-            if cells[geometry.reader_cell(r, layout.STATE)] == layout.STATE_CLOSED:
-                continue
-            if cells[geometry.release_cell(r, slot)] < generation:
-                return False
-        return True
+
+
+def _bulk_released(cells: memoryview, geometry: RingLayout, slot: int, generation: int) -> bool:
+    """Has every reader still reading let go of ``generation`` of bulk ``slot``?
+    (Asked by the bulk writer, inside ``enqueue``.)"""
+    for r in range(geometry.n_readers):
+        if cells[geometry.reader_cell(r, layout.STATE)] == layout.STATE_CLOSED:
+            continue
+        if cells[geometry.release_cell(r, slot)] < generation:
+            return False
+    return True
