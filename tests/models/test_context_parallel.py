@@ -123,14 +123,14 @@ def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TP=2 exceeds its single KV head: the layout DCP is for."""
     return save_random_llama(tmp_path_factory.mktemp("dcp1"), seed=3, num_attention_heads=4,
                              num_key_value_heads=1, hidden_size=64, intermediate_size=96,
-                             max_position_embeddings=1024)
+                             max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
 def two_kv_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_llama(tmp_path_factory.mktemp("dcp2"), seed=4, num_attention_heads=8,
                              num_key_value_heads=2, hidden_size=64, intermediate_size=96,
-                             max_position_embeddings=1024)
+                             max_position_embeddings=4096)
 
 
 def requests(lengths: list[int], max_tokens: int = 6) -> dict[str, tuple[list[int], Any]]:
@@ -144,7 +144,8 @@ def run(model: Path, reqs: dict[str, Any], **layout: Any) -> dict[str, Any]:
     dcp = layout.get("dcp", 1)
     chunk = layout.pop("chunk", None)
     backend = "uni" if layout.get("tp", 1) * layout.get("pcp", 1) == 1 else "mp"
-    with make_executor(model, backend=backend, num_blocks=256, **layout) as executor:
+    with make_executor(model, backend=backend, num_blocks=1024, max_num_batched_tokens=4096,
+                       **layout) as executor:
         runs = StepDriver(executor, fetch_logits=True, chunk=chunk,
                           block_tokens=BLOCK_SIZE * dcp).generate(reqs)
         if layout.get("pcp", 1) > 1:  # the prefills were really split
@@ -161,7 +162,7 @@ def assert_same(runs: dict[str, Any], reference: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_tp2_dcp2_reproduces_tp1(one_kv_head: Path, leak_check: None) -> None:
-    reqs = requests([1, 2, 7, 33, 300])
+    reqs = requests([1, 2, 7, 33, 300, 2000])
     reference = run(one_kv_head, reqs)
     assert_same(run(one_kv_head, reqs, tp=2, dcp=2), reference)
     assert_same(run(one_kv_head, reqs, tp=2, dcp=2, chunk=13), reference)  # chunked prefill
@@ -267,7 +268,7 @@ def test_a_step_is_split_into_row_ranges_that_continue_each_prompt() -> None:
 @pytest.mark.parametrize(("tp", "pp", "pcp"), [(1, 1, 2), (2, 1, 2), (1, 2, 2)])
 def test_pcp_reproduces_tp1(two_kv_heads: Path, tp: int, pp: int, pcp: int,
                             leak_check: None) -> None:
-    reqs = requests([1, 5, 40, 300])
+    reqs = requests([1, 5, 40, 300, 2000])
     reference = run(two_kv_heads, reqs)
     assert_same(run(two_kv_heads, reqs, tp=tp, pp=pp, pcp=pcp), reference)
     # chunked prefill: a chunk's rows continue a prompt on the second rank
