@@ -26,7 +26,7 @@ def use_fake_model(monkeypatch: pytest.MonkeyPatch, **worker_kwargs: Any) -> Non
                    max_model_len=64, block_size=4, tensor_parallel_size=tp,
                    pipeline_parallel_size=pp, executor_backend=args.backend,
                    async_scheduling=args.async_scheduling, shutdown_grace_s=2.0,
-                   data_parallel_size=args.data_parallel_size)
+                   data_parallel_size=getattr(args, "data_parallel_size", 1))
 
     monkeypatch.setattr(generate, "start_llm", start)
 
