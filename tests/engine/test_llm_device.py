@@ -48,6 +48,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, visible: bool) -> None:
     from mpexec import devices
 
     monkeypatch.setattr(devices, "cuda_available", lambda: visible)
+    if visible:  # as many devices as any of these layouts asks for
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
 
 
 def test_backend_selection_table() -> None:

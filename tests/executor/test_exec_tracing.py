@@ -46,9 +46,16 @@ def fake_opentelemetry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(tmp_path))
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
+    # The real SDK may be imported already (other tests use it): set it aside,
+    # so that this process and the workers it forks import the stand-in.
+    real = {name: module for name, module in sys.modules.items()
+            if name == "opentelemetry" or name.startswith("opentelemetry.")}
+    for name in real:
+        del sys.modules[name]
     yield
-    for name in ("opentelemetry", "opentelemetry.trace"):
-        sys.modules.pop(name, None)
+    for name in [n for n in sys.modules if n == "opentelemetry" or n.startswith("opentelemetry.")]:
+        del sys.modules[name]
+    sys.modules.update(real)
 
 
 def worker_spans(worker: Any) -> list[tuple[str, str, dict[str, Any]]]:

@@ -613,6 +613,8 @@ def _check_model_len(path: Any, max_model_len: int | None) -> int:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{limit} (max_position_embeddings of {path})")
     return int(config.vocab_size)
+
+
 def _check_devices(workers: int, device_type: str, is_model_worker: bool) -> None:
     """One clear error for more CUDA workers than this node's devices (CPU workers
     may outnumber the CPUs: they share them, with a warning)."""
