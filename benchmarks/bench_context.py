@@ -56,7 +56,8 @@ def write_checkpoint(directory: Path) -> Path:
 def make_llm(path: Path, dcp: int, threads: int, budget: int | None = None) -> LLM:
     return LLM(str(path), tensor_parallel_size=2, decode_context_parallel_size=dcp,
                num_threads=threads, block_size=BLOCK, max_num_seqs=1,
-               max_num_batched_tokens=1024, kv_cache_memory_bytes=budget)
+               max_num_batched_tokens=1024, kv_cache_memory_bytes=budget,
+               enable_prefix_caching=False)
 
 
 def prompt(length: int) -> dict[str, Any]:
@@ -86,6 +87,7 @@ def measure(path: Path, dcp: int, context: int, decode: int, threads: int,
 
 def prefill_seconds(model: str, pcp: int, length: int, threads: int, reps: int = 3) -> float:
     with LLM(model, prefill_context_parallel_size=pcp, num_threads=threads, max_num_seqs=1,
+             enable_prefix_caching=False,  # every repetition computes the whole prompt
              max_num_batched_tokens=length, max_model_len=length + 16) as llm:
         llm.generate(prompt(64), SamplingParams(temperature=0, max_tokens=1))  # warm up
         times = []
