@@ -176,10 +176,12 @@ def test_a_client_that_disconnects_frees_its_request(server: ServerProcess) -> N
             next(lines)
         assert metric(server, "mpexec_num_requests_running") == 1
     assert_all_freed(server)
-    # a non-streaming client that gives up: the server notices within a second or so
+    # A non-streaming client that gives up: the server notices within a second or
+    # so.  It gives up well before 400 tokens can be done: the prompt is cached by
+    # now, and on a quiet machine the tiny model finishes them in about a second.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False},
-                   timeout=httpx.Timeout(60, read=2.0))
+                   timeout=httpx.Timeout(60, read=0.25))
     assert_all_freed(server)
 
 
