@@ -17,25 +17,15 @@ from typing import Any, TextIO
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mpexec.cli import _positive_int
+    from mpexec.cli.common import add_engine_arguments, add_run_arguments
 
     parser.add_argument("--model", default="default",
                         help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size (1)")
     parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size (1)")
     parser.add_argument("--system", default=None, help="a system message to start with")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per reply (256)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (0.7)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    parser.add_argument("--backend", choices=("mp", "uni"), default="mp",
-                        help="executor: worker processes (mp) or in this process (uni)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule step N+1 while step N runs")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="context length (default: the checkpoint's)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "float32", "bfloat16", "float16"))
+    add_run_arguments(parser, max_tokens=256, temperature=0.7, unit="reply")
+    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,

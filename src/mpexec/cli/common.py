@@ -58,6 +58,28 @@ def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto",
             raise UsageError(f"{what} workers, but {count} CUDA devices are visible")
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
+                      temperature: float, unit: str) -> None:
+    """Sampling, executor and model options that ``generate`` and ``chat`` share."""
+    from mpexec.cli import _positive_int
+
+    parser.add_argument("--max-tokens", type=int, default=max_tokens,
+                        help=f"tokens per {unit} ({max_tokens})")
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 is greedy ({temperature})")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    parser.add_argument("--backend", choices=("mp", "uni"), default="mp",
+                        help="executor: worker processes (mp) or in this process (uni)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule step N+1 while step N runs")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="context length (default: the checkpoint's)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``generate`` and ``serve`` share beyond TP and PP: context
     parallelism, the KV cache's reuse and transfer, devices, CPU placement,

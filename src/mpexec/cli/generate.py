@@ -28,6 +28,7 @@ from mpexec.cli import UsageError
 from mpexec.cli.common import (
     Progress,
     add_engine_arguments,
+    add_run_arguments,
     check_is_model,
     check_layout,
     check_model,
@@ -56,19 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print each answer's tokens as they come (one prompt at a time)")
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message (chat template)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (64)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (1.0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    parser.add_argument("--backend", choices=("mp", "uni"), default="mp",
-                        help="executor: worker processes (mp) or in this process (uni)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule step N+1 while step N runs")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="context length (default: the checkpoint's)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "float32", "bfloat16", "float16"))
+    add_run_arguments(parser, max_tokens=64, temperature=1.0, unit="prompt")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_arguments(parser)
 
