@@ -154,7 +154,7 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int, *needle
     (["generate", "--prompt", "hi", "--max-tokens", "0"], ["--max-tokens must be"]),
     (["generate", "--prompt", "hi", "--tp", "2", "--backend", "uni"], ["--backend uni"]),
     (["demo", "--tp", "x"], ["expected an integer"]),
-    (["bench", "--suite", "nope"], ["invalid choice"]),
+    (["bench", "--suite", "nope"], ["no benchmark script for suite 'nope'"]),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args: list[str], needles: list[str]) -> None:
     _one_line_error(run_mpexec(*args), 2, *needles)

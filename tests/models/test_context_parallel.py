@@ -235,6 +235,28 @@ def test_llm_with_dcp_preempts_resumes_and_admits_twice_the_context(
     assert [o.token_ids for o in outputs] == want
 
 
+def test_a_profile_times_each_phase_of_dcp_attention_on_every_rank(
+        one_kv_head_llm_dir: Path, tmp_path: Path, leak_check: None) -> None:
+    from mpexec import SamplingParams
+
+    with make_llm(one_kv_head_llm_dir, tensor_parallel_size=2,
+                  decode_context_parallel_size=2) as llm:
+        llm.start_profile(trace_dir=str(tmp_path / "trace"))
+        llm.generate("hello world", SamplingParams(temperature=0, max_tokens=4))
+        summaries = llm.stop_profile()
+        with pytest.raises(Exception, match="no profile is running"):
+            llm.stop_profile()
+    assert [s.rank for s in summaries] == [0, 1]
+    layers = 4  # write_tiny_checkpoint's default
+    for summary in summaries:
+        assert set(summary.spans) == {"dcp.gather_q", "dcp.attention", "dcp.gather_out",
+                                      "dcp.merge"}
+        # one prefill step and three decode steps, each through every layer
+        assert {t.calls for t in summary.spans.values()} == {4 * layers}
+        assert 0 < summary.share("dcp.") < 1
+        assert summary.trace_path is not None and Path(summary.trace_path).stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_smollm2_tp6_dcp2_reproduces_tp1(smollm2_gguf: Path, leak_check: None) -> None:
     """SmolLM2's 3 KV heads on 6 ranks: each KV head's two ranks split its tokens."""

@@ -110,14 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run benchmarks/bench_<suite>.py from the source tree and print their "
         "tables; --plot draws them with matplotlib. Arguments after '--' go to the scripts.",
     )
-    bench.add_argument("--suite", action="append",
-                       choices=("mq", "executor", "collectives", "model", "engine",
-                                "parallel"),
-                       help="suite to run (repeatable; default: every suite present but "
-                            "parallel)")
+    bench.add_argument("--suite", action="append", metavar="SUITE",
+                       help="suite to run: benchmarks/bench_SUITE.py (repeatable; default: "
+                            "mq, executor, collectives, model, engine; others include "
+                            "parallel, context, kv, serve)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the tables into this image")
     bench.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=None,
                        help="replicas for the parallel suite (bench_parallel.py)")
+    bench.add_argument("--decode-context-parallel-size", "-dcp", type=_positive_int,
+                       default=None, help="the DCP size the context suite compares with 1")
+    bench.add_argument("--prefill-context-parallel-size", "-pcp", type=_positive_int,
+                       default=None, help="the PCP size the context suite compares with 1")
     bench.add_argument("script_args", nargs=argparse.REMAINDER,
                        help="'--' then arguments for the scripts")
     bench.set_defaults(handler=_run_bench)

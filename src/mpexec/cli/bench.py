@@ -111,6 +111,24 @@ def _number(cell: str) -> float | None:
     return float(match.group()) if match else None
 
 
+# The layout options of `mpexec bench` and the script options they become.
+_SUITE_OPTIONS = {
+    "parallel": (("data_parallel_size", "--data-parallel-size"),),
+    "context": (("decode_context_parallel_size", "--dcp"),
+                ("prefill_context_parallel_size", "--pcp")),
+}
+
+
+def suite_options(suite: str, args: argparse.Namespace) -> list[str]:
+    """The script options ``suite`` gets from ``mpexec bench``'s own layout options."""
+    extra = []
+    for attribute, option in _SUITE_OPTIONS.get(suite, ()):
+        value = getattr(args, attribute, None)
+        if value is not None:
+            extra += [option, str(value)]
+    return extra
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     where = benchmarks_dir()
     if where is None:
@@ -128,9 +146,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     for suite in suites:
         out.write(f"== mpexec bench --suite {suite}: {where / f'bench_{suite}.py'}\n")
         out.flush()
-        extra = []
-        if suite == "parallel" and getattr(args, "data_parallel_size", None):
-            extra = ["--data-parallel-size", str(args.data_parallel_size)]
+        extra = suite_options(suite, args)
         proc = subprocess.Popen([sys.executable, str(where / f"bench_{suite}.py"),
                                  *extra, *script_args], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None

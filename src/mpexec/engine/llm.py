@@ -541,6 +541,26 @@ class LLM:
             out[row.token_id] = Logprob(row.logprob, row.rank, text(row.token_id))
         return out
 
+    # -- profiling --------------------------------------------------------------------
+
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Every worker starts timing the model's marked phases (and, with
+        ``trace_dir``, records a torch profiler trace there, one file per rank)."""
+        for executor in self._executors():
+            executor.collective_rpc("start_profile", args=(trace_dir,))
+
+    def stop_profile(self) -> list[Any]:
+        """Stop the profile; one :class:`~mpexec.models.profiling.ProfileSummary`
+        per worker (per replica, in replica order)."""
+        return [summary for executor in self._executors()
+                for summary in executor.collective_rpc("stop_profile")]
+
+    def _executors(self) -> list[Any]:
+        engine = self.engine
+        if isinstance(engine, DataParallelEngine):
+            return [replica.executor for replica in engine.replicas if replica is not None]
+        return [engine.executor]
+
     # -- end --------------------------------------------------------------------------
 
     def shutdown(self) -> None:

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from mpexec.models.kv_cache import ScheduledRequest
+from mpexec.models.profiling import span
 from mpexec.models.sharding import attention_shards
 
 
@@ -182,17 +183,22 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DcpB
     widest = max(head_counts)
     padded = q if heads == widest else torch.cat(
         (q, q.new_zeros(tokens, widest - heads, head_dim)), dim=1)
-    q_all = group.all_gather(padded.contiguous(), dim=1)  # [T, D x widest, d]
+    with span("dcp.gather_q"):
+        q_all = group.all_gather(padded.contiguous(), dim=1)  # [T, D x widest, d]
     outs = torch.empty((tokens, size * widest, head_dim), dtype=q.dtype, device=q.device)
     lses = torch.empty((tokens, size * widest), dtype=torch.float32, device=q.device)
-    for span in batch.spans:
-        keys = torch.index_select(k_cache, 0, span.slots)
-        values = torch.index_select(v_cache, 0, span.slots)
-        out, lse = partial_attention(q_all[span.start:span.stop], keys, values, span.mask, scale)
-        outs[span.start:span.stop] = out
-        lses[span.start:span.stop] = lse
-    every_out = group.all_gather(outs.unsqueeze(0), dim=0)  # [D, T, D x widest, d]
-    every_lse = group.all_gather(lses.unsqueeze(0), dim=0)
+    with span("dcp.attention"):
+        for share in batch.spans:
+            keys = torch.index_select(k_cache, 0, share.slots)
+            values = torch.index_select(v_cache, 0, share.slots)
+            out, lse = partial_attention(q_all[share.start:share.stop], keys, values,
+                                         share.mask, scale)
+            outs[share.start:share.stop] = out
+            lses[share.start:share.stop] = lse
+    with span("dcp.gather_out"):
+        every_out = group.all_gather(outs.unsqueeze(0), dim=0)  # [D, T, D x widest, d]
+        every_lse = group.all_gather(lses.unsqueeze(0), dim=0)
     mine = slice(rank * widest, rank * widest + heads)
-    merged = merge_partials(every_out[:, :, mine], every_lse[:, :, mine])
+    with span("dcp.merge"):
+        merged = merge_partials(every_out[:, :, mine], every_lse[:, :, mine])
     return merged.reshape(tokens, heads * head_dim)

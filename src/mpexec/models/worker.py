@@ -48,7 +48,7 @@ import torch
 
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.worker_base import WorkerBase
-from mpexec.models import ngram
+from mpexec.models import ngram, profiling
 from mpexec.models.context_parallel import DcpBatch, build_dcp_batch, dcp_head_counts
 from mpexec.models.kv_cache import (
     AttentionBatch,
@@ -501,6 +501,17 @@ class ModelWorker(WorkerBase):
                                       device=self.device)
         layout = [ScheduledRequest([cache.scratch_block], 0, 1)]
         self._run_stage([0], [0], layout, [0], cache)
+
+    # -- profiling ------------------------------------------------------------------
+
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Time the model's marked phases from now on (:mod:`mpexec.models.profiling`);
+        with ``trace_dir``, also record a torch profiler trace there."""
+        profiling.start(trace_dir)
+
+    def stop_profile(self) -> profiling.ProfileSummary:
+        """Stop timing; this rank's totals since :meth:`start_profile`."""
+        return profiling.stop(self.rank)
 
     # -- health and the end -----------------------------------------------------------
 
