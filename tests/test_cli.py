@@ -204,3 +204,13 @@ def test_doctor_checks_torch_threads_and_model_cache(tmp_path: Path) -> None:
     check = doctor.check_model_cache(str(tmp_path / "cache"))
     assert check.status == "OK" and "free on its disk" in check.detail
     assert doctor.check_torch_threads().status in ("OK", "WARN")
+
+
+def test_bench_passes_layout_options_to_the_suite_that_takes_them() -> None:
+    from mpexec.cli import bench, build_parser
+
+    args = build_parser().parse_args(["bench", "--suite", "context", "-dcp", "4", "-pcp", "2",
+                                      "-dp", "3"])
+    assert bench.suite_options("context", args) == ["--dcp", "4", "--pcp", "2"]
+    assert bench.suite_options("parallel", args) == ["--data-parallel-size", "3"]
+    assert bench.suite_options("mq", args) == []
