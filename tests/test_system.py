@@ -7,9 +7,12 @@ import errno
 import io
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 import types
+from typing import Any
 
 import pytest
 
@@ -263,3 +266,53 @@ def test_worker_thread_env_keeps_user_setting(clean_thread_env: pytest.MonkeyPat
         assert applied == {}
         assert os.environ["OMP_NUM_THREADS"] == "5"
     assert os.environ["OMP_NUM_THREADS"] == "5"
+
+
+def _sleep_long() -> None:
+    time.sleep(60)
+
+
+def _statuses_seen_by_racing_threads(proc: Any) -> list[int | None]:
+    """Two threads polling ``proc.exitcode`` and one joining it, all let go at once."""
+    seen: list[int | None] = []
+    barrier = threading.Barrier(4)
+
+    def poll() -> None:
+        barrier.wait()
+        deadline = time.monotonic() + 10
+        while proc.exitcode is None and time.monotonic() < deadline:
+            pass
+        seen.append(proc.exitcode)
+
+    def join() -> None:
+        barrier.wait()
+        proc.join(10)
+        seen.append(proc.exitcode)
+
+    threads = [threading.Thread(target=poll), threading.Thread(target=poll),
+               threading.Thread(target=join)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    for thread in threads:
+        thread.join(15)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork", "spawn"])
+def test_exit_status_read_by_racing_threads_is_the_real_one(method: str) -> None:
+    """Several threads polling a SIGKILLed worker at once all see SIGKILL; under the fork
+    server, unlocked polls race for the status pipe and one of them records 255."""
+    from mpexec.system.start import serialize_exit_status
+
+    context: Any = system.get_mp_context(method)
+    for _ in range(10):
+        proc = context.Process(target=_sleep_long, daemon=True)
+        proc.start()
+        serialize_exit_status(proc)
+        time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        seen = _statuses_seen_by_racing_threads(proc)
+        assert seen == [-signal.SIGKILL] * 3, seen
+        assert proc.exitcode == -signal.SIGKILL
+        proc.close()

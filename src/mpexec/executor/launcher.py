@@ -42,6 +42,7 @@ from mpexec.errors import describe_exitcode
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.worker_proc import worker_main
 from mpexec.system import kill_process_group, open_pidfd
+from mpexec.system.start import serialize_exit_status
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ class LocalProcessLauncher:
         try:
             with self._environ(spec.thread_env):
                 proc.start()
+                serialize_exit_status(proc)
         except BaseException:
             for end in (ready_reader, death_writer):
                 end.close()

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.context
 import os
 import sys
 import threading
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +138,36 @@ def running_thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def serialize_exit_status(proc: BaseProcess) -> None:
+    """Make reading ``proc``'s exit status safe from several threads at once.
+
+    A process started by the fork server is not this process's child: its
+    exit status comes as four bytes on a pipe from the server, and
+    ``multiprocessing`` reads them in ``Popen.poll`` with no lock.  Two
+    threads that poll at the moment of death (the death monitor, a caller's
+    ``is_alive``, ``Process.start``'s sweep of finished children) both see
+    the pipe readable; one reads the status, the other reads EOF and records
+    255, which may overwrite the real status ("exit code 255" for a worker
+    killed by SIGKILL).  Here the started process's ``poll`` runs under a
+    lock, so the second caller finds the status the first one read.  Fork
+    and spawn ``poll`` with ``waitpid``, which is safe already; they get the
+    same lock, which costs nothing measurable.
+    """
+    popen: Any = getattr(proc, "_popen", None)
+    if popen is None:
+        return
+    unlocked = popen.poll
+    lock = threading.Lock()
+
+    def poll(flag: int = os.WNOHANG) -> int | None:
+        if flag != os.WNOHANG:
+            # A blocking poll waits for the exit outside the lock, so that
+            # other threads' non-blocking polls are never held up by it.
+            multiprocessing.connection.wait([popen.sentinel])
+        with lock:
+            return cast("int | None", unlocked(flag))
+
+    popen.poll = poll
+
