@@ -160,32 +160,35 @@ def test_user_mistakes_are_one_line_and_exit_2(args: list[str], needles: list[st
     _one_line_error(run_mpexec(*args), 2, *needles)
 
 
-def test_bench_parses_harness_tables_and_plots(tmp_path: Path) -> None:
+def test_bench_collects_the_harness_tables_as_json_and_plots(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mpexec.cli import bench
 
-    sys_path = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    import sys
-
-    sys.path.insert(0, sys_path)
-    try:
-        from harness import render
-    finally:
-        sys.path.remove(sys_path)
-    text = render("calls against workers", ["workers", "median", "p99"],
-                  [["1", "12.5 us", "30 us"], ["2 (pinned)", "20.0 us", "41 us"]])
-    text += "\n\n" + render("second", ["mode", "tok/s"], [["sync", "100"], ["async", "130"]])
-    tables = bench.parse_tables("noise\n" + text + "\n")
+    tables_file = tmp_path / "tables.jsonl"
+    script = ("import sys\n"
+              f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'benchmarks')!r})\n"
+              "from harness import render\n"
+              "print(render('calls against workers', ['workers', 'median', 'p99'],\n"
+              "             [['1', '12.5 us', '30 us'], ['2 (pinned)', '20.0 us', '41 us']]))\n"
+              "print(render('second', ['mode', 'tok/s'], [['sync', 100], ['async', 130]]))\n")
+    # the harness reads MPEXEC_BENCH_TABLES once, at import: a child of its own
+    monkeypatch.setenv("MPEXEC_BENCH_TABLES", str(tables_file))
+    result = run_python("-c", script, timeout=60)
+    monkeypatch.delenv("MPEXEC_BENCH_TABLES")
+    assert result.returncode == 0, result.stderr
+    assert "calls against workers" in result.stdout
+    tables = bench.read_tables(tables_file)
     assert [t.title for t in tables] == ["calls against workers", "second"]
     assert tables[0].headers == ["workers", "median", "p99"]
     assert tables[0].rows[1] == ["2 (pinned)", "20.0 us", "41 us"]
+    assert tables[1].rows == [["sync", "100"], ["async", "130"]]
+    assert bench.read_tables(tmp_path / "none.jsonl") == []
     pytest.importorskip("matplotlib")
     image = tmp_path / "bench.png"
-    source = tmp_path / "tables.txt"
-    source.write_text(text)
     # in a child: matplotlib keeps its font files open for the life of the process
-    code = ("import sys\nfrom mpexec.cli import bench\n"
-            "print(bench.plot(bench.parse_tables(open(sys.argv[1]).read()), sys.argv[2]))\n")
-    result = run_python("-c", code, str(source), str(image), timeout=90)
+    code = ("import sys\nfrom pathlib import Path\nfrom mpexec.cli import bench\n"
+            "print(bench.plot(bench.read_tables(Path(sys.argv[1])), sys.argv[2]))\n")
+    result = run_python("-c", code, str(tables_file), str(image), timeout=90)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "2"
     assert image.read_bytes()[:4] == b"\x89PNG"

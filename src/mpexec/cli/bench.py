@@ -2,18 +2,22 @@
 
 The scripts live in the source tree, not in an installed wheel; from an
 installed copy without them the command says so and exits 2.  Each script
-prints tables rendered by ``benchmarks/harness`` (a title line, a header, a
-line of dashes, rows).  ``--plot`` reads those tables back from the output
-and draws one panel per table: the first column along x, every numeric
-column as a series (the leading number of each cell: "12.3 us" -> 12.3).
+prints tables rendered by ``benchmarks/harness``, which also appends each
+table as one JSON line to the file this command names in
+``MPEXEC_BENCH_TABLES``.  ``--plot`` draws those tables, one panel per
+table: the first column along x, every numeric column as a series (the
+leading number of each cell: "12.3 us" -> 12.3).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -39,30 +43,15 @@ class Table:
     rows: list[list[str]]
 
 
-def parse_tables(text: str) -> list[Table]:
-    """The tables ``harness.render`` printed into ``text``."""
-    lines = text.splitlines()
+def read_tables(path: Path) -> list[Table]:
+    """The tables the scripts appended to ``path`` (one JSON object per line)."""
+    if not path.exists():
+        return []
     tables = []
-    for i, line in enumerate(lines):
-        if i < 2 or not line.strip() or set(line.replace(" ", "")) != {"-"}:
-            continue
-        spans = [(m.start(), m.end()) for m in re.finditer(r"-+", line)]
-        header_line = lines[i - 1]
-
-        def cut(row: str, spans: list[tuple[int, int]] = spans) -> list[str]:
-            cells = []
-            for k, (start, end) in enumerate(spans):
-                stop = spans[k + 1][0] if k + 1 < len(spans) else len(row)
-                begin = start if k else 0
-                cells.append(row[begin:max(end, stop)].strip())
-            return cells
-
-        rows = []
-        for row in lines[i + 1:]:
-            if not row.strip():
-                break
-            rows.append(cut(row))
-        tables.append(Table(lines[i - 2].strip(), cut(header_line), rows))
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            tables.append(Table(record["title"], record["headers"], record["rows"]))
     return tables
 
 
@@ -141,23 +130,24 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if missing:
         raise UsageError(f"no benchmark script for suite {missing[0]!r} in {where} "
                          f"(present: {', '.join(p.stem[6:] for p in where.glob('bench_*.py'))})")
-    text = []
     status = 0
-    for suite in suites:
-        out.write(f"== mpexec bench --suite {suite}: {where / f'bench_{suite}.py'}\n")
-        out.flush()
-        extra = suite_options(suite, args)
-        proc = subprocess.Popen([sys.executable, str(where / f"bench_{suite}.py"),
-                                 *extra, *script_args], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
+    with tempfile.TemporaryDirectory(prefix="mpexec-bench-") as scratch:
+        tables_file = Path(scratch) / "tables.jsonl"
+        env = {**os.environ, "MPEXEC_BENCH_TABLES": str(tables_file)}
+        for suite in suites:
+            out.write(f"== mpexec bench --suite {suite}: {where / f'bench_{suite}.py'}\n")
             out.flush()
-            text.append(line)
-        if proc.wait() != 0:
-            status = 1
-            out.write(f"== suite {suite} exited with status {proc.returncode}\n")
-    if args.plot:
-        panels = plot(parse_tables("".join(text)), args.plot)
-        out.write(f"== {panels} tables drawn into {args.plot}\n")
+            proc = subprocess.Popen([sys.executable, str(where / f"bench_{suite}.py"),
+                                     *suite_options(suite, args), *script_args],
+                                    stdout=subprocess.PIPE, text=True, env=env)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+            if proc.wait() != 0:
+                status = 1
+                out.write(f"== suite {suite} exited with status {proc.returncode}\n")
+        if args.plot:
+            panels = plot(read_tables(tables_file), args.plot)
+            out.write(f"== {panels} tables drawn into {args.plot}\n")
     return status
