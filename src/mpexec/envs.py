@@ -47,10 +47,12 @@ MPEXEC_API_KEY                           (none)     the key ``mpexec serve``
                                                     (when no --api-key)
 =======================================  =========  ==========================
 
-One more is read where it is used, not here: ``MPEXEC_CACHE_DIR`` (default
+Two more are read where they are used, not here: ``MPEXEC_CACHE_DIR`` (default
 ``~/.cache/mpexec``), where models are fetched to, by
 ``mpexec.models.fetch.default_cache_dir`` - it must hold in processes that
-never build an :class:`Envs`.
+never build an :class:`Envs`.  And ``MPEXEC_BENCH_TABLES`` is set by
+``mpexec bench`` for the benchmark scripts it runs (their harness, outside
+the package, appends each table there as JSON); users never set it.
 """
 
 from __future__ import annotations
