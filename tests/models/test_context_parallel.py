@@ -194,6 +194,28 @@ def test_a_dcp_rank_killed_mid_decode_is_a_worker_death(one_kv_head: Path,
         assert_rank_died(executor, info.value, 1)
 
 
+@pytest.mark.slow
+def test_a_dcp_rank_frozen_mid_decode_is_named_within_the_stop_bound(
+        one_kv_head: Path, leak_check: None) -> None:
+    """SIGSTOP, not SIGKILL: the survivor waits in the all-gather for a rank that
+    will never answer; the executor sees the stopped state and names that rank
+    long before the 120 s step deadline."""
+    from mpexec.errors import WorkerStalledError
+
+    with make_executor(one_kv_head, tp=2, dcp=2,
+                       executor_fields={"worker_stopped_timeout_s": 1.0}) as executor:
+        driver = StepDriver(executor, block_tokens=BLOCK_SIZE * 2)
+        driver.generate(requests([9], max_tokens=2))
+        os.kill(executor.workers[1].pid, signal.SIGSTOP)
+        with pytest.raises(Exception) as info:
+            driver.generate(requests([9], max_tokens=4))
+        error = info.value
+        if not isinstance(error, WorkerStalledError):
+            error = death_behind(executor, error)
+        assert isinstance(error, WorkerStalledError), info.value
+        assert error.rank == 1 and error.seen == "stopped"
+
+
 # -- through LLM: the scheduler counts blocks of block_size x DCP tokens ----------------
 
 
