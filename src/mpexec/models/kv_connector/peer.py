@@ -25,12 +25,13 @@ overwritten sees it and reports it invalid.
 Failures are per request and bounded: a LOOKUP, DESCRIBE or FETCH that gets
 no reply within ``timeout_s`` (a dead or stalled producer) makes the
 consumer record a :class:`KVTransferError` for the request
-(``connector.transfer_errors``) and compute the tokens itself; blocks
-allocated for a failed load go back to the block manager through the
-scheduler's recompute path.  After a timeout the consumer does not ask that
-peer again for ``RETRY_S`` seconds, so a dead producer costs one timeout,
-not one per request.  Nothing the consumer does keeps state on the
-producer, so a consumer that dies leaves nothing behind there.
+(``connector.transfer_errors``, the latest ``MAX_ERRORS_KEPT``) and
+compute the tokens itself; blocks allocated for a failed load go back to
+the block manager through the scheduler's recompute path.  After a
+timeout the consumer does not ask that peer again for ``RETRY_S``
+seconds, so a dead producer costs one timeout, not one per request.
+Nothing the consumer does keeps state on the producer, so a consumer that
+dies leaves nothing behind there.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SLOTS = 256
 DEFAULT_TIMEOUT_S = 2.0
 RETRY_S = 5.0
+MAX_ERRORS_KEPT = 1024  # the latest requests' errors (a long-running server's memory)
 _SETTINGS = {"endpoint", "transport", "num_slots", "timeout_s", "secret"}
 
 
@@ -228,6 +230,8 @@ class PeerKVConnector(KVConnectorBase):
                        self.endpoint, message)
         self.transfer_errors[req_id] = KVTransferError(message, req_id=req_id,
                                                        peer=self.endpoint)
+        while len(self.transfer_errors) > MAX_ERRORS_KEPT:
+            del self.transfer_errors[next(iter(self.transfer_errors))]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         if not self.consumes or time.monotonic() < self._down_until:
