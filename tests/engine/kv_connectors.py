@@ -49,12 +49,13 @@ class LaggingOffloadConnector(CPUOffloadConnector):
 class StallingPeerConnector(PeerKVConnector):
     """A producer whose workers stall on every DESCRIBE or FETCH (a hung peer).
 
-    Before stalling it creates the file named by ``KV_STALL_MARKER`` (in its
-    environment), so that a test knows the consumer is mid-transfer.
+    Before stalling (``KV_STALL_S`` seconds, default 60) it creates the file
+    named by ``KV_STALL_MARKER`` (both in its environment), so that a test
+    knows the consumer is mid-transfer.
     """
 
     def _serve_shard(self, kind: int, request: dict[str, Any]) -> tuple[dict[str, Any],
                                                                         list[Any]]:
         Path(os.environ["KV_STALL_MARKER"]).touch()
-        time.sleep(60)
+        time.sleep(float(os.environ.get("KV_STALL_S", "60")))
         return super()._serve_shard(kind, request)

@@ -60,6 +60,25 @@ def loadable_blocks() -> int:
     return sum((len(p["prompt_token_ids"]) - 1) // 4 for p in PROMPTS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def zmq_zero_copy_collector() -> None:
+    """pyzmq frees zero-copy frames through one process-wide garbage-collector
+    context, started on the first such send and kept for the process's life
+    (as multiprocessing's resource tracker): started here, before any test's
+    ``leak_check`` counts descriptors, so that it is not taken for a leak."""
+    import zmq
+
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    receiver.bind("inproc://warm-up")
+    sender.connect("inproc://warm-up")
+    sender.send(bytes(1 << 20), copy=False)
+    assert len(receiver.recv()) == 1 << 20
+    sender.close(linger=0)
+    receiver.close(linger=0)
+    context.term()
+
+
 @pytest.fixture(scope="module")
 def colocated(tiny_checkpoint: Path) -> list[list[int]]:
     with make_llm(tiny_checkpoint, block_size=4) as llm:
@@ -216,3 +235,50 @@ def test_producer_killed_mid_transfer(tiny_checkpoint: Path, colocated: list[lis
         assert consumer.engine.scheduler.blocks.num_free_blocks == free
         # one timeout per producer shard, then the peer is left alone (RETRY_S)
         assert elapsed < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_consumer_killed_mid_transfer(tiny_checkpoint: Path, tmp_path: Path,
+                                      colocated: list[list[int]],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer SIGKILLed while the producer serves it: the producer holds
+    nothing for it (its reply goes nowhere) and serves the next consumer."""
+    from mpexec import SamplingParams
+
+    stalled = tmp_path / "stalled"
+    monkeypatch.setenv("KV_STALL_MARKER", str(stalled))
+    monkeypatch.setenv("KV_STALL_S", "2")
+    port = free_ports(2)
+    config = peer("kv_producer", port)
+    config["kv_connector"] = "tests.engine.kv_connectors:StallingPeerConnector"
+    with make_llm(tiny_checkpoint, block_size=4, kv_transfer_config=config) as producer:
+        producer.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))
+        produced: Any = producer.engine.scheduler.connector
+        saved, free = produced.num_saved_blocks, producer.engine.scheduler.blocks.num_free_blocks
+        process = start_producer(tiny_checkpoint, peer("kv_consumer", port, "zmq",
+                                                       timeout_s=30.0), tmp_path / "done")
+        try:
+            deadline = time.monotonic() + 100
+            while not stalled.exists():
+                assert process.poll() is None, "the consumer exited before it asked"
+                assert time.monotonic() < deadline, "the consumer did not ask within 100 s"
+                time.sleep(0.02)
+            process.send_signal(signal.SIGKILL)
+            assert process.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+            assert process.stdin is not None
+            process.stdin.close()
+        with make_llm(tiny_checkpoint, block_size=4,
+                      kv_transfer_config=peer("kv_consumer", port, "zmq",
+                                              timeout_s=30.0)) as consumer:
+            out = consumer.generate(PROMPTS, params())
+            connector: Any = consumer.engine.scheduler.connector
+            assert [o.token_ids for o in out] == colocated
+            assert connector.num_loaded_blocks == loadable_blocks()
+            assert not connector.transfer_errors
+        assert produced.num_saved_blocks == saved
+        assert producer.engine.scheduler.blocks.num_free_blocks == free
