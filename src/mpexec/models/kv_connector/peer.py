@@ -314,9 +314,11 @@ class PeerKVConnector(KVConnectorBase):
 
     def wait_for_save(self) -> None:
         meta = self._metadata
-        if not isinstance(meta, PeerMetadata) or not meta.saves:
+        if not isinstance(meta, PeerMetadata) or not self.produces:
             return
-        self._worker_instance = meta.instance
+        self._worker_instance = meta.instance  # known before any block is offered
+        if not meta.saves:
+            return
         self.slab.write(self.cache.tensor, meta.saves)
         self._finished_sending.add(meta.save_id)
 
