@@ -4,6 +4,8 @@ Prints one table from one run::
 
     python benchmarks/bench_kv.py [--model default] [--prefix-len 1500] [--system-len 1000]
                                   [--requests 32] [--repeats 3] [--threads 1]
+                                  [--decoders 4] [--decode-tokens 24] [--long-len 384]
+                                  [--arrival-every 5] [--parts reuse,transfer,mixed]
 
 1. time to first token of a request whose ``--prefix-len``-token prefix is
    in the prefix cache, against the same kind of request cold (a fresh
@@ -14,22 +16,40 @@ Prints one table from one run::
 3. CPU offload: time to first token when the prefix is loaded from host
    memory (prefix caching off, so nothing is shared on the device) against
    recomputing it; target <= 0.5x;
-4. disaggregated prefill's transfer on one node: a producer worker's
-   shards of the ``--prefix-len`` prefix written to ``/dev/shm`` and read
-   back into a consumer's KV cache (SmolLM2's shapes, float32, TP 1 -> 1),
-   in GB/s, against a memcpy of the same bytes (cache to cache); target
-   >= 0.5x.  Connector-level: no engine, no model.
+4. disaggregated prefill's transfer on one node, ``--prefix-len`` tokens
+   of SmolLM2's KV (float32, TP 1 -> 1), in GB/s, against a memcpy of the
+   same bytes (cache to cache); target >= 0.5x.  Connector-level: no
+   engine, no model.  ``SharedStorageConnector`` (one file per block in
+   ``/dev/shm``), and ``PeerKVConnector`` over shared memory: the
+   producer worker's copy into its slab plus the consumer's copy out
+   (save + load), and each alone; the memcpy is the faster of one right
+   before and one right after each transfer;
+5. the same bytes fetched with ``PeerKVConnector`` over authenticated
+   ZeroMQ on loopback (the consumer worker's FETCH: the producer's gather,
+   HMAC-SHA256 of every byte on both sides, the copy into the cache)
+   against raw pyzmq moving the same bytes the same way (ROUTER thread ->
+   DEALER, zero-copy, no MAC); target >= 0.7x.  Also the SHA-256 rate;
+6. inter-token latency of ``--decoders`` decoding requests while three
+   ``--long-len``-token prompts arrive (every ``--arrival-every`` steps):
+   one colocated engine, against a consumer engine whose long prompts'
+   KV a producer engine (in this process) computed beforehand; p99 and
+   median; target: disaggregated lower.
 
-One engine in this process (``uni``), ``--threads`` torch threads.
-Numbers depend on the machine and its load; compare within one run.
+Engines in this process (``uni``), ``--threads`` torch threads.
+Numbers depend on the machine and its load (printed with the table);
+compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import secrets
+import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from harness import render  # noqa: E402
+from harness import percentile, render  # noqa: E402
 
 from mpexec.engine.llm import LLM  # noqa: E402
 from mpexec.outputs import SamplingParams  # noqa: E402
@@ -131,6 +151,200 @@ def shared_transfer(args: argparse.Namespace) -> tuple[float, float]:
     return statistics.median(rates), statistics.median(copies)
 
 
+def _kv_caches(blocks: int, count: int = 2) -> list[Any]:
+    import torch
+
+    from mpexec.models.kv_cache import KVCache
+
+    caches = [KVCache(num_layers=30, num_blocks=blocks, block_size=16, num_kv_heads=3,
+                      head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+              for _ in range(count)]
+    for cache in caches:
+        cache.tensor.normal_()  # every page mapped before anything is timed
+    return caches
+
+
+def _free_port(count: int) -> int:
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+
+
+class _Request:
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.req_id = secrets.token_hex(4)
+        self.block_hashes = hashes
+        self.num_tokens = len(hashes) * 16 + 1
+
+
+def _copy_s(caches: list[Any], tokens: slice) -> float:
+    started = time.perf_counter()
+    caches[1].tensor[:, :, tokens].copy_(caches[0].tensor[:, :, tokens])
+    return time.perf_counter() - started
+
+
+def peer_transfer(args: argparse.Namespace, transport: str) -> dict[str, float]:
+    """Seconds (medians) of PeerKVConnector's save and load of the prefix, and of a memcpy."""
+    import torch
+
+    from mpexec.models.kv_connector import KVConnectorRole, KVTransferConfig, create_connector
+    from mpexec.outputs import KVConnectorOutput
+
+    blocks = -(-args.prefix_len // 16)
+    caches = _kv_caches(blocks)
+    extra = {"endpoint": f"tcp://127.0.0.1:{_free_port(2)}", "secret": secrets.token_hex(16),
+             "transport": transport, "num_slots": 2 * blocks, "timeout_s": 60.0}
+    producer = KVTransferConfig("PeerKVConnector", "kv_producer", extra, block_size=16)
+    consumer = KVTransferConfig("PeerKVConnector", "kv_consumer", extra, block_size=16)
+    sides = [create_connector(producer, KVConnectorRole.SCHEDULER),
+             create_connector(producer, KVConnectorRole.WORKER),
+             create_connector(consumer, KVConnectorRole.SCHEDULER),
+             create_connector(consumer, KVConnectorRole.WORKER)]
+    index, saver, asker, loader = sides
+    saver.register_kv_caches(caches[0])
+    loader.register_kv_caches(caches[1])
+    tokens = slice(0, blocks * 16)
+    times: dict[str, list[float]] = {"save": [], "load": [], "memcpy": []}
+    try:
+        for attempt in range(args.repeats + 1):  # the first maps the slab: not counted
+            # the baseline: the faster of a copy before and one after the transfer
+            # (a loaded machine slows some copies down; this errs against the connector)
+            memcpy = _copy_s(caches, tokens)
+            hashes = [random.randbytes(16) for _ in range(blocks)]
+            index.blocks_computed(list(zip(range(blocks), hashes, strict=True)))
+            saver.bind_connector_metadata(index.build_connector_meta(None))
+            started = time.perf_counter()
+            saver.wait_for_save()
+            save = time.perf_counter() - started
+            index.update_connector_output(KVConnectorOutput(*saver.get_finished()))
+            request = _Request(hashes)
+            found = asker.get_num_new_matched_tokens(request, 0)
+            assert found == blocks * 16, found
+            asker.update_state_after_alloc(request, list(range(blocks)), found)
+            loader.bind_connector_metadata(asker.build_connector_meta(None))
+            started = time.perf_counter()
+            loader.start_load_kv()
+            load = time.perf_counter() - started
+            assert not loader.get_finished()[2], "a load failed"
+            assert torch.equal(caches[0].tensor[:, :, tokens], caches[1].tensor[:, :, tokens])
+            memcpy = min(_copy_s(caches, tokens), memcpy)
+            if attempt:
+                times["save"].append(save)
+                times["load"].append(load)
+                times["memcpy"].append(memcpy)
+    finally:
+        for side in sides:
+            side.close()
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["bytes"] = float(caches[0].tensor[:, :, tokens].numel() * 4)
+    return result
+
+
+def raw_zmq(nbytes: int, repeats: int) -> float:
+    """Median seconds for pyzmq to bring ``nbytes`` from a ROUTER thread to a DEALER."""
+    import zmq
+
+    port = _free_port(1)
+    payload = bytearray(os.urandom(1 << 20)) * (nbytes >> 20) + bytearray(nbytes % (1 << 20))
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (router, dealer):
+        sock.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+
+    def serve() -> None:
+        for _ in range(repeats + 1):
+            identity, _ = router.recv_multipart()
+            router.send_multipart([identity, b"ok", memoryview(payload)], copy=False)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    times = []
+    try:
+        for attempt in range(repeats + 1):
+            started = time.perf_counter()
+            dealer.send(b"fetch")
+            frames = dealer.recv_multipart(copy=False)
+            assert len(frames[1].buffer) == nbytes
+            if attempt:
+                times.append(time.perf_counter() - started)
+        server.join(timeout=30)
+    finally:
+        router.close()
+        dealer.close()
+        context.term()
+    return statistics.median(times)
+
+
+def sha256_rate(nbytes: int) -> float:
+    import hashlib
+
+    data = os.urandom(nbytes)
+    started = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return nbytes / (time.perf_counter() - started) / 1e9
+
+
+def _decode_gaps(llm: LLM, decoders: list[list[int]], longs: list[list[int]],
+                 args: argparse.Namespace) -> list[float]:
+    """Seconds between consecutive tokens of the decoding requests while ``longs`` arrive."""
+    engine: Any = llm.engine
+    decode = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    requests = [engine.add_request(p, decode) for p in decoders]
+    seen = dict.fromkeys((r.req_id for r in requests), 0)
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    arriving = list(longs)
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        if arriving and step % args.arrival_every == 0:
+            engine.add_request(arriving.pop(0), ONE)
+        engine.step()
+        now = time.perf_counter()
+        for request in requests:
+            count = len(request.output_token_ids)
+            if count > seen[request.req_id]:
+                if request.req_id in last:
+                    gaps.append(now - last[request.req_id])
+                last[request.req_id] = now
+                seen[request.req_id] = count
+    return gaps
+
+
+def mixed_load(args: argparse.Namespace, rng: random.Random,
+               ) -> tuple[list[float], list[float]]:
+    """Decode gaps colocated, and on a consumer whose long prompts a producer computed."""
+    decoders = [tokens(rng, 32) for _ in range(args.decoders)]
+    longs = [tokens(rng, args.long_len) for _ in range(3)]
+    with make(args) as llm:
+        ttft(llm, tokens(rng, 64))
+        colocated = _decode_gaps(llm, decoders, longs, args)
+    extra = {"endpoint": f"tcp://127.0.0.1:{_free_port(2)}", "secret": secrets.token_hex(16),
+             "num_slots": 4 * -(-args.long_len // 16)}
+    with make(args, kv_transfer_config={"kv_connector": "PeerKVConnector",
+                                        "kv_role": "kv_consumer",
+                                        "kv_connector_extra_config": extra}) as consumer, \
+            make(args, kv_transfer_config={"kv_connector": "PeerKVConnector",
+                                           "kv_role": "kv_producer",
+                                           "kv_connector_extra_config": extra}) as producer:
+        producer.generate([{"prompt_token_ids": p} for p in longs], ONE)
+        ttft(consumer, tokens(rng, 64))
+        disaggregated = _decode_gaps(consumer, decoders, longs, args)
+        connector: Any = consumer.engine.scheduler.connector  # type: ignore[union-attr]
+        assert connector.num_loaded_blocks > 0 and not connector.transfer_errors
+    return colocated, disaggregated
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -139,12 +353,43 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--decoders", type=int, default=4)
+    parser.add_argument("--decode-tokens", type=int, default=24)
+    parser.add_argument("--long-len", type=int, default=384)
+    parser.add_argument("--arrival-every", type=int, default=5)
+    parser.add_argument("--parts", default="reuse,transfer,mixed",
+                        help="comma-separated: reuse (rows 1-3), transfer (4, 5), mixed (6)")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    rows = []
+    rows: list[list[str]] = []
+    load_start = os.getloadavg()
+    parts = set(args.parts.split(","))
+    if parts - {"reuse", "transfer", "mixed"}:
+        parser.error(f"--parts: unknown {sorted(parts - {'reuse', 'transfer', 'mixed'})}")
+    if "reuse" in parts:
+        reuse_rows(args, rng, rows)
+    if "transfer" in parts:
+        transfer_rows(args, rows)
+    if "mixed" in parts:
+        colocated, disaggregated = mixed_load(args, rng)
+        for q in (99, 50):
+            co, dis = percentile(colocated, q), percentile(disaggregated, q)
+            rows.append([f"ITL p{q} of {args.decoders} decoding requests, {args.long_len}-token "
+                         "prompts arriving: disaggregated vs colocated, ms",
+                         f"{dis * 1e3:.0f}", f"{co * 1e3:.0f}", f"{dis / co:.2f}x",
+                         "< 1x" if q == 99 else ""])
+    load_end = os.getloadavg()
+    print(render(f"KV reuse and transfer ({args.model}, {args.threads} thread(s), median of "
+                 f"{args.repeats} where timed per request; load average "
+                 f"{load_start[0]:.1f} at start, {load_end[0]:.1f} at end, "
+                 f"{os.cpu_count()} CPUs)",
+                 ["measure", "with", "without", "ratio", "target"], rows))
+
+
+def reuse_rows(args: argparse.Namespace, rng: random.Random, rows: list[list[str]]) -> None:
     cold, warm = cached_vs_cold(args, rng)
     rows.append([f"TTFT, {args.prefix_len}-token prefix cached vs cold",
                  f"{warm * 1e3:.0f} ms", f"{cold * 1e3:.0f} ms", f"{warm / cold:.3f}x",
@@ -161,12 +406,29 @@ def main() -> None:
     rows.append([f"TTFT, {args.prefix_len}-token prefix from CPU offload vs recomputed",
                  f"{reload * 1e3:.0f} ms", f"{recompute * 1e3:.0f} ms",
                  f"{reload / recompute:.3f}x", "<= 0.5x"])
-    shm, memcpy = shared_transfer(args)
-    rows.append([f"disaggregated transfer via /dev/shm vs memcpy, GB/s ({args.prefix_len} "
-                 "tokens)", f"{shm:.2f}", f"{memcpy:.2f}", f"{shm / memcpy:.2f}x", ">= 0.5x"])
-    print(render(f"KV reuse ({args.model}, {args.threads} thread(s), median of "
-                 f"{args.repeats} where timed per request)",
-                 ["measure", "with", "without", "ratio", "target"], rows))
+
+
+def transfer_rows(args: argparse.Namespace, rows: list[list[str]]) -> None:
+    files, memcpy = shared_transfer(args)
+    rows.append([f"SharedStorageConnector (files in /dev/shm) vs memcpy, GB/s "
+                 f"({args.prefix_len} tokens)", f"{files:.2f}", f"{memcpy:.2f}",
+                 f"{files / memcpy:.2f}x", ">= 0.5x"])
+    shm = peer_transfer(args, "shm")
+    size = shm["bytes"]
+    base = size / shm["memcpy"] / 1e9
+    for label, seconds in (("save + load", shm["save"] + shm["load"]), ("save", shm["save"]),
+                           ("load", shm["load"])):
+        rate = size / seconds / 1e9
+        rows.append([f"PeerKVConnector shm {label} vs memcpy, GB/s ({size / 1e6:.0f} MB)",
+                     f"{rate:.2f}", f"{base:.2f}", f"{rate / base:.2f}x",
+                     ">= 0.5x" if label == "save + load" else ""])
+    net = peer_transfer(args, "zmq")
+    raw = size / raw_zmq(int(size), args.repeats) / 1e9
+    rate = size / net["load"] / 1e9
+    rows.append(["PeerKVConnector ZeroMQ fetch (HMAC) vs raw pyzmq, loopback, GB/s",
+                 f"{rate:.2f}", f"{raw:.2f}", f"{rate / raw:.2f}x", ">= 0.7x"])
+    sha = sha256_rate(int(size))
+    rows.append(["SHA-256 of the same bytes (one core), GB/s", f"{sha:.2f}", "", "", ""])
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 from mpexec.models.kv_connector.offload import CPUOffloadConnector, OffloadMetadata
+from mpexec.models.kv_connector.peer import PeerKVConnector
 
 
 class LaggingOffloadConnector(CPUOffloadConnector):
@@ -40,3 +44,18 @@ class LaggingOffloadConnector(CPUOffloadConnector):
                 entry[0] += 1
                 keep.append(entry)
         self._metadata, self._deferred = current, keep
+
+
+class StallingPeerConnector(PeerKVConnector):
+    """A producer whose workers stall on every DESCRIBE or FETCH (a hung peer).
+
+    Before stalling (``KV_STALL_S`` seconds, default 60) it creates the file
+    named by ``KV_STALL_MARKER`` (both in its environment), so that a test
+    knows the consumer is mid-transfer.
+    """
+
+    def _serve_shard(self, kind: int, request: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                        list[Any]]:
+        Path(os.environ["KV_STALL_MARKER"]).touch()
+        time.sleep(float(os.environ.get("KV_STALL_S", "60")))
+        return super()._serve_shard(kind, request)

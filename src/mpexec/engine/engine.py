@@ -395,6 +395,8 @@ class Engine:
         self._in_flight.clear()
         self.scheduler.abort_all()
         self.executor.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.close()  # its threads and sockets (KV transfer)
 
     def __enter__(self) -> Engine:
         return self

@@ -536,6 +536,8 @@ class ModelWorker(WorkerBase):
                                f"{self.tp_group.world_size}")
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
         self.cache = None
         self.stage = None
         self.pending.clear()

@@ -2,7 +2,9 @@
 
 ``base`` holds the interface both sides speak and the configuration;
 ``offload`` the CPU (and disk) offload connector; ``shared`` disaggregated
-prefill through a shared-memory directory.
+prefill through a shared-memory directory; ``peer`` disaggregated prefill
+from a producer's shared-memory slabs (``slab``), on this machine or over
+authenticated ZeroMQ (``peer_wire``).
 """
 
 from mpexec.models.kv_connector.base import (
@@ -10,8 +12,9 @@ from mpexec.models.kv_connector.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVTransferConfig,
+    KVTransferError,
     create_connector,
 )
 
 __all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVTransferConfig",
-           "create_connector"]
+           "KVTransferError", "create_connector"]

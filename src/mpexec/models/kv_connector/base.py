@@ -41,10 +41,26 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpexec.errors import MpexecError
+
 CONNECTORS = {
     "CPUOffloadConnector": "mpexec.models.kv_connector.offload:CPUOffloadConnector",
+    "PeerKVConnector": "mpexec.models.kv_connector.peer:PeerKVConnector",
     "SharedStorageConnector": "mpexec.models.kv_connector.shared:SharedStorageConnector",
 }
+
+
+class KVTransferError(MpexecError, RuntimeError):
+    """A request's KV could not be had from its peer (unreachable, died, overwritten).
+
+    The request does not fail: its tokens are computed locally instead.
+    ``req_id`` names the request, ``peer`` the other side (an endpoint).
+    """
+
+    def __init__(self, message: str, *, req_id: str, peer: str) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.peer = peer
 
 
 class KVConnectorRole(enum.Enum):
@@ -139,6 +155,9 @@ class KVConnectorBase:
     def has_pending_work(self) -> bool:
         """Whether a step should run for the connector alone (no tokens to compute)."""
         return False
+
+    def close(self) -> None:
+        """Stop what the connector started (threads, sockets, shared memory); idempotent."""
 
     # -- worker side ------------------------------------------------------------------
 

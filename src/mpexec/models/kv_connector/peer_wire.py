@@ -1,0 +1,159 @@
+"""Authenticated request and reply between KV peers, over ZeroMQ.
+
+::
+
+    client (DEALER, caller's thread)           server (ROUTER, its own thread)
+    seal(kind, seq, [json, *data])   ───────>  open (MAC checked first) -> handler
+                                     <───────  seal(kind | REPLY, seq, [json, *data])
+
+Frames are :class:`mpexec.ipc.auth.FrameAuth`'s (the multi-node
+transport's): HMAC-SHA256 over the header and every byte, keyed per
+direction from the cluster secret (``derive_key(secret, "kv-peer",
+"request" | "reply")``).  A frame whose MAC does not verify is dropped
+(counted) before anything is parsed, and what is parsed is JSON and raw
+KV bytes: nothing is ever unpickled.  The reply carries the request's
+sequence number (random start, +1 per request), so the client takes only
+the reply to the request it is waiting for; a late reply to a request it
+gave up on (its timeout) is dropped.  Requests are reads that change
+nothing on the server, so one replayed by a third party only gets a fresh
+answer back, which its sender could not forge anyway.
+
+Every wait is bounded: :meth:`PeerClient.request` raises ``TimeoutError``
+past its deadline (a dead or stalled server), and the server's thread
+stops within ``POLL_MS`` of :meth:`PeerServer.close`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpexec.ipc.auth import DropCounter, FrameAuth, derive_key
+
+logger = logging.getLogger(__name__)
+
+KIND_LOOKUP = 1  # scheduler side: which of these block hashes are ready
+KIND_DESCRIBE = 2  # worker side: the shard's layout and shared-memory segment
+KIND_FETCH = 3  # worker side: the bytes of some slots
+REPLY = 0x80
+MAX_BYTES = 1 << 40
+POLL_MS = 100
+CHANNEL = "kv-peer"
+
+def zmq_module() -> Any:
+    try:
+        import zmq
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("PeerKVConnector needs pyzmq: pip install 'mpexec[multinode]'") \
+            from exc
+    return zmq
+
+
+Handler = Callable[[int, dict[str, Any]], tuple[dict[str, Any], list[Any]]]
+
+
+def _auths(secret: str | bytes) -> tuple[FrameAuth, FrameAuth]:
+    return (FrameAuth(derive_key(secret, CHANNEL, "request"), MAX_BYTES),
+            FrameAuth(derive_key(secret, CHANNEL, "reply"), MAX_BYTES))
+
+
+class PeerServer:
+    """A ROUTER on ``endpoint`` answering authenticated requests with ``handler``."""
+
+    def __init__(self, endpoint: str, secret: str | bytes, handler: Handler,
+                 what: str) -> None:
+        self.endpoint = endpoint
+        self.what = what
+        self._handler = handler
+        self._requests, self._replies = _auths(secret)
+        self._drops = DropCounter(what)
+        self._stop = threading.Event()
+        zmq = zmq_module()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(endpoint)
+        except BaseException:
+            self._socket.close()
+            self._context.term()
+            raise
+        self._thread = threading.Thread(target=self._serve, name=what, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        zmq = zmq_module()
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            frames = self._socket.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue
+            opened = self._requests.open(frames[1:], self._drops)
+            if opened is None:
+                continue
+            try:
+                reply, data = self._handler(opened.kind, json.loads(bytes(opened.parts[0])))
+            except Exception as exc:  # the client gets the reason, the server goes on
+                logger.warning("%s: request kind %d failed: %r", self.what, opened.kind, exc)
+                reply, data = {"error": f"{type(exc).__name__}: {exc}"}, []
+            sealed = self._replies.seal(opened.kind | REPLY, 0, opened.seq,
+                                        [json.dumps(reply).encode(), *data])
+            self._socket.send_multipart([frames[0], *sealed], copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * POLL_MS / 1000 + 5)
+        self._socket.close()
+        self._context.term()
+
+
+class PeerClient:
+    """A DEALER to one server; one request at a time, from one thread."""
+
+    def __init__(self, endpoint: str, secret: str | bytes, what: str) -> None:
+        zmq = zmq_module()
+        self.endpoint = endpoint
+        self.what = what
+        self._requests, self._replies = _auths(secret)
+        self._drops = DropCounter(what)
+        self._seq = secrets.randbits(62)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
+    def request(self, kind: int, payload: dict[str, Any],
+                timeout_s: float) -> tuple[dict[str, Any], list[Any]]:
+        """The reply's JSON and data parts; ``TimeoutError`` past ``timeout_s``."""
+        self._seq += 1
+        seq = self._seq
+        deadline = time.monotonic() + timeout_s
+        self._socket.send_multipart(self._requests.seal(kind, 0, seq,
+                                                        [json.dumps(payload).encode()]))
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._poller.poll(left_ms):
+                raise TimeoutError(f"{self.what}: no reply from {self.endpoint} within "
+                                   f"{timeout_s:g} s")
+            frames = self._socket.recv_multipart(copy=False)
+            opened = self._replies.open(frames, self._drops)
+            if opened is None or opened.seq != seq or opened.kind != kind | REPLY:
+                continue  # forged, or the late reply to a request given up on
+            reply = json.loads(bytes(opened.parts[0]))
+            if not isinstance(reply, dict):
+                raise ValueError(f"{self.what}: malformed reply from {self.endpoint}")
+            return reply, opened.parts[1:]
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()

@@ -1,0 +1,284 @@
+"""Disaggregated prefill through PeerKVConnector: a producer's shared-memory slabs,
+mapped by a consumer on the same machine or fetched over authenticated ZeroMQ.
+
+Greedy and seeded tokens equal those of one colocated engine, for TP 1 -> 2
+and 2 -> 1 through shared memory and for a producer in another process
+(a second "node" on loopback) through ZeroMQ; a producer SIGKILLed while a
+consumer fetches from it costs each request a typed error and a local
+recomputation, and no block or shared memory is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.test_disagg_prefill import PROMPTS, params
+from tests.engine.test_e2e_model import make_llm
+
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("leak_check")]
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "kv-peer-test-secret-0123456789"
+
+
+def free_ports(count: int) -> int:
+    """A port ``p`` such that ``p .. p + count - 1`` are free on loopback right now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no run of free ports")
+
+
+def peer(role: str, port: int, transport: str = "shm", **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "PeerKVConnector", "kv_role": role,
+            "kv_connector_extra_config": {"endpoint": f"tcp://127.0.0.1:{port}",
+                                          "secret": SECRET, "transport": transport,
+                                          "num_slots": 64, **extra}}
+
+
+def loadable_blocks() -> int:
+    return sum((len(p["prompt_token_ids"]) - 1) // 4 for p in PROMPTS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zmq_zero_copy_collector() -> None:
+    """pyzmq frees zero-copy frames through one process-wide garbage-collector
+    context, started on the first such send and kept for the process's life
+    (as multiprocessing's resource tracker): started here, before any test's
+    ``leak_check`` counts descriptors, so that it is not taken for a leak."""
+    import zmq
+
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    receiver.bind("inproc://warm-up")
+    sender.connect("inproc://warm-up")
+    sender.send(bytes(1 << 20), copy=False)
+    assert len(receiver.recv()) == 1 << 20
+    sender.close(linger=0)
+    receiver.close(linger=0)
+    context.term()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_checkpoint: Path) -> list[list[int]]:
+    with make_llm(tiny_checkpoint, block_size=4) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, params())]
+
+
+def test_settings_are_checked() -> None:
+    from mpexec.models.kv_connector import KVConnectorRole, KVTransferConfig, create_connector
+    from mpexec.models.kv_connector.peer import worker_endpoint
+    from mpexec.models.kv_connector.slab import runs
+
+    assert list(runs([(0, 5), (1, 6), (2, 9), (7, 10), (8, 11)])) == [(0, 5, 2), (2, 9, 1),
+                                                                     (7, 10, 2)]
+    assert list(runs([])) == []
+    assert worker_endpoint("tcp://10.0.0.1:5000", 1) == "tcp://10.0.0.1:5002"
+    for extra, message in [({"endpoint": "ipc:///x"}, "tcp://host:port"),
+                           ({"endpoint": "tcp://h:1", "transport": "rdma"}, "transport"),
+                           ({"endpoint": "tcp://h:1", "colour": 1}, "unknown settings")]:
+        config = KVTransferConfig("PeerKVConnector", "kv_consumer",
+                                  {"secret": SECRET, **extra})
+        with pytest.raises(ValueError, match=message):
+            create_connector(config, KVConnectorRole.WORKER)
+    both = KVTransferConfig("PeerKVConnector", "kv_both", {"endpoint": "tcp://h:1",
+                                                           "secret": SECRET})
+    with pytest.raises(ValueError, match="kv_producer or kv_consumer"):
+        create_connector(both, KVConnectorRole.WORKER)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(1, 2), (2, 1)])
+def test_shared_memory_transfer_between_layouts(tiny_checkpoint: Path,
+                                                colocated: list[list[int]], producer_tp: int,
+                                                consumer_tp: int) -> None:
+    from mpexec import SamplingParams
+
+    port = free_ports(4)
+
+    def backend(tp: int) -> str:
+        return "uni" if tp == 1 else "mp"
+
+    # the consumer first: its workers fork before the producer starts threads here
+    with make_llm(tiny_checkpoint, backend(consumer_tp), consumer_tp, block_size=4,
+                  kv_transfer_config=peer("kv_consumer", port)) as consumer, \
+            make_llm(tiny_checkpoint, backend(producer_tp), producer_tp, block_size=4,
+                     kv_transfer_config=peer("kv_producer", port)) as producer:
+        producer.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))
+        produced: Any = producer.engine.scheduler.connector
+        assert produced.num_saved_blocks == sum(len(p["prompt_token_ids"]) // 4
+                                                for p in PROMPTS)
+        free = consumer.engine.scheduler.blocks.num_free_blocks
+        out = consumer.generate(PROMPTS, params())
+        connector: Any = consumer.engine.scheduler.connector
+        assert [o.token_ids for o in out] == colocated
+        assert connector.num_loaded_blocks == loadable_blocks()
+        assert connector.num_failed_loads == 0 and not connector.transfer_errors
+        assert consumer.engine.scheduler.blocks.num_free_blocks == free
+
+
+def start_producer(checkpoint: Path, config: dict[str, Any], ready: Path,
+                   ) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+           "OMP_NUM_THREADS": "1", "KV_STALL_MARKER": str(ready.parent / "stalled")}
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.peer_producer",
+                             str(checkpoint), json.dumps(config), str(ready)],
+                            stdin=subprocess.PIPE, env=env, cwd=ROOT)
+
+
+@pytest.fixture
+def producer_process(tiny_checkpoint: Path, tmp_path: Path,
+                     request: pytest.FixtureRequest) -> Iterator[tuple[Any, int, Path]]:
+    port = free_ports(2)
+    kind = getattr(request, "param", "PeerKVConnector")
+    config = peer("kv_producer", port)
+    config["kv_connector"] = kind
+    config["kv_connector_extra_config"]["secret"] = SECRET
+    ready = tmp_path / "ready"
+    process = start_producer(tiny_checkpoint, config, ready)
+    try:
+        deadline = time.monotonic() + 100
+        while not ready.exists():
+            assert process.poll() is None, "the producer exited before it was ready"
+            assert time.monotonic() < deadline, "the producer was not ready within 100 s"
+            time.sleep(0.1)
+        yield process, port, tmp_path
+    finally:
+        if process.poll() is None:
+            assert process.stdin is not None
+            process.stdin.close()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        elif process.stdin is not None:
+            process.stdin.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zeromq_transfer_from_another_process(tiny_checkpoint: Path, colocated: list[list[int]],
+                                              producer_process: tuple[Any, int, Path]) -> None:
+    _, port, _ = producer_process
+    with make_llm(tiny_checkpoint, "mp", 2, block_size=4,
+                  kv_transfer_config=peer("kv_consumer", port, "zmq")) as consumer:
+        free = consumer.engine.scheduler.blocks.num_free_blocks
+        out = consumer.generate(PROMPTS, params())
+        connector: Any = consumer.engine.scheduler.connector
+        assert [o.token_ids for o in out] == colocated
+        assert connector.num_loaded_blocks == loadable_blocks()
+        assert connector.num_failed_loads == 0 and not connector.transfer_errors
+        assert consumer.engine.scheduler.blocks.num_free_blocks == free
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("producer_process", ["tests.engine.kv_connectors:StallingPeerConnector"],
+                         indirect=True)
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_producer_killed_mid_transfer(tiny_checkpoint: Path, colocated: list[list[int]],
+                                      producer_process: tuple[Any, int, Path],
+                                      transport: str) -> None:
+    """The producer's workers stall on every request once the lookups are answered;
+    the test SIGKILLs the producer meanwhile.  Each request gets a KVTransferError
+    within the timeout and is computed by the consumer."""
+    from mpexec.models.kv_connector import KVTransferError
+
+    process, port, marker_dir = producer_process
+    stalled = marker_dir / "stalled"
+
+    def kill_when_stalled() -> None:
+        deadline = time.monotonic() + 60
+        while not stalled.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_stalled, daemon=True)
+    with make_llm(tiny_checkpoint, "mp", 2, block_size=4,
+                  kv_transfer_config=peer("kv_consumer", port, transport,
+                                          timeout_s=1.0)) as consumer:
+        free = consumer.engine.scheduler.blocks.num_free_blocks
+        killer.start()
+        started = time.monotonic()
+        out = consumer.generate(PROMPTS, params())
+        elapsed = time.monotonic() - started
+        killer.join(timeout=70)
+        connector: Any = consumer.engine.scheduler.connector
+        assert [o.token_ids for o in out] == colocated
+        assert process.wait(timeout=10) == -signal.SIGKILL
+        errors = connector.transfer_errors
+        assert errors and all(isinstance(e, KVTransferError) for e in errors.values())
+        assert set(errors) <= {o.request_id for o in out}
+        assert connector.num_failed_loads >= 1
+        assert consumer.engine.scheduler.blocks.num_free_blocks == free
+        # one timeout per producer shard, then the peer is left alone (RETRY_S)
+        assert elapsed < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_consumer_killed_mid_transfer(tiny_checkpoint: Path, tmp_path: Path,
+                                      colocated: list[list[int]],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer SIGKILLed while the producer serves it: the producer holds
+    nothing for it (its reply goes nowhere) and serves the next consumer."""
+    from mpexec import SamplingParams
+
+    stalled = tmp_path / "stalled"
+    monkeypatch.setenv("KV_STALL_MARKER", str(stalled))
+    monkeypatch.setenv("KV_STALL_S", "2")
+    port = free_ports(2)
+    config = peer("kv_producer", port)
+    config["kv_connector"] = "tests.engine.kv_connectors:StallingPeerConnector"
+    with make_llm(tiny_checkpoint, block_size=4, kv_transfer_config=config) as producer:
+        producer.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))
+        produced: Any = producer.engine.scheduler.connector
+        saved, free = produced.num_saved_blocks, producer.engine.scheduler.blocks.num_free_blocks
+        process = start_producer(tiny_checkpoint, peer("kv_consumer", port, "zmq",
+                                                       timeout_s=30.0), tmp_path / "done")
+        try:
+            deadline = time.monotonic() + 100
+            while not stalled.exists():
+                assert process.poll() is None, "the consumer exited before it asked"
+                assert time.monotonic() < deadline, "the consumer did not ask within 100 s"
+                time.sleep(0.02)
+            process.send_signal(signal.SIGKILL)
+            assert process.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+            assert process.stdin is not None
+            process.stdin.close()
+        with make_llm(tiny_checkpoint, block_size=4,
+                      kv_transfer_config=peer("kv_consumer", port, "zmq",
+                                              timeout_s=30.0)) as consumer:
+            out = consumer.generate(PROMPTS, params())
+            connector: Any = consumer.engine.scheduler.connector
+            assert [o.token_ids for o in out] == colocated
+            assert connector.num_loaded_blocks == loadable_blocks()
+            assert not connector.transfer_errors
+        assert produced.num_saved_blocks == saved
+        assert producer.engine.scheduler.blocks.num_free_blocks == free
