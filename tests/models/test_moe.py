@@ -187,6 +187,76 @@ def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
     assert results[0] == results[1]
 
 
+def _stop_replica_midway(llm: Any, rank: int, after_tokens: int, signum: int) -> Any:
+    hit: list[int] = []
+
+    def progress(finished: int, total: int, tokens: int) -> None:
+        if not hit and tokens >= after_tokens:
+            pid = llm.engine.replicas[rank].executor.workers[0].proc.pid
+            os.kill(pid, signum)
+            hit.append(pid)
+
+    return progress, hit
+
+
+def _ep_prompts() -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(8)
+    return [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
+            for i in range(5)]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_of_experts_across_replicas_is_a_bounded_typed_error(
+        moe_with_tokenizer: Path, leak_check: None) -> None:
+    """DP=2 with experts across the replicas, no failover: SIGSTOP replica 1's
+    worker mid-generate.  Its executor's stall watch kills it, replica 0's
+    collective sees the peer gone, and the caller gets the frozen rank's
+    WorkerStalledError (the cause, not the peer's broken collective)."""
+    from mpexec.engine.llm import LLM
+    from mpexec.errors import WorkerStalledError
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(moe_with_tokenizer), data_parallel_size=2, enable_expert_parallel=True,
+             num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
+             shutdown_grace_s=5.0, worker_stopped_timeout_s=1.0) as llm:
+        progress, stopped = _stop_replica_midway(llm, 1, 10, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerStalledError, match="has been stopped"):
+            llm.generate(_ep_prompts(), params, progress=progress)
+        assert time.monotonic() - started < 60  # not the step deadline (300 s)
+        assert stopped and llm.engine.is_dead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+def test_expert_group_restarts_together_and_loses_no_request(
+        moe_with_tokenizer: Path, signum: int, leak_check: None) -> None:
+    """replica_restart with experts across the replicas: one replica's worker
+    killed (or frozen) mid-generate takes the whole expert parallel group
+    down; it is rebuilt and joined again, and every request finishes with
+    the greedy tokens of an undisturbed run."""
+    from mpexec.engine.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts_ = _ep_prompts()
+    with LLM(str(moe_with_tokenizer), data_parallel_size=2, enable_expert_parallel=True,
+             replica_restart=True, num_threads=1, block_size=4,
+             kv_cache_memory_bytes=16 << 20, shutdown_grace_s=5.0,
+             worker_stopped_timeout_s=1.0) as llm:
+        want = [o.token_ids for o in llm.generate(prompts_, params)]
+        progress, hit = _stop_replica_midway(llm, 1, 15, signum)
+        got = [o.token_ids for o in llm.generate(prompts_, params, progress=progress)]
+        failover = llm.engine.failover
+        assert all(e is not None for e in llm.engine.replicas)
+        groups = [e.executor.collective_rpc(_dp_and_ep_groups) for e in llm.engine.replicas]
+    assert hit and got == want
+    assert failover.restarts == 1 and failover.requeued_requests == 5, failover.events
+    assert failover.recovery_s and [r for r, _ in failover.recovery_s] == [0, 1]
+    assert any("taken down with its expert parallel group" in e for e in failover.events) \
+        or failover.failures == 2, failover.events
+    assert groups == [[(0, 2, 0, 2)], [(1, 2, 1, 2)]]  # the rebuilt group is whole again
+
+
 def test_expert_parallel_needs_an_moe_model(tiny_checkpoint: Path) -> None:
     with pytest.raises((WorkerError, ValueError), match="needs a mixture-of-experts model"):
         make_executor(tiny_checkpoint, backend="uni", ep=True)
