@@ -160,11 +160,22 @@ def _dp_and_ep_groups(wrapper: Any) -> tuple[int, int, int, int]:
     return dp.rank_in_group, dp.world_size, ep.rank_in_group, ep.world_size
 
 
+def _set_dispatch(wrapper: Any, dispatch: str) -> list[str]:
+    """Every MoE block of this worker dispatches its tokens this way; their ways before."""
+    blocks = [layer.moe for layer in wrapper.worker.stage.layers if layer.moe is not None]
+    before = [block.dispatch for block in blocks]
+    for block in blocks:
+        block.dispatch = dispatch
+    return before
+
+
 @pytest.mark.slow
-def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
+def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path, dispatch: str,
                                                      leak_check: None) -> None:
     """DP=2 x TP=1 with EP: one EP group of both replicas' ranks (3 + 2 experts),
-    the replicas in lockstep, an idle one running dummy batches."""
+    the replicas in lockstep, an idle one running dummy batches; the tokens go
+    to their experts by all-to-all (the default) or by all-gather."""
     from mpexec.engine.llm import LLM
 
     g = torch.Generator().manual_seed(8)
@@ -178,6 +189,10 @@ def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
         with LLM(str(moe_with_tokenizer), data_parallel_size=dp, enable_expert_parallel=ep,
                  num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
                  shutdown_grace_s=5.0) as llm:
+            if ep:
+                for engine in llm.engine.replicas:
+                    before = engine.executor.collective_rpc(_set_dispatch, args=(dispatch,))
+                    assert before == [["all_to_all"] * 3]
             results.append([o.token_ids for o in llm.generate(prompts_, params)])
             if ep:
                 assert llm.engine.lockstep and llm.engine.dummy_steps > 0
