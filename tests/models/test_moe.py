@@ -39,6 +39,7 @@ SHAPE = dict(vocab_size=101, hidden_size=64, num_hidden_layers=3, num_attention_
 
 def save_random_moe(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
     torch.manual_seed(seed)
+    only = overrides.pop("mlp_only_layers", [1])  # Qwen: the dense layers
     shape = {**SHAPE, **overrides}
     if kind == "mixtral":
         config = transformers.MixtralConfig(**shape, intermediate_size=45, num_local_experts=5)
@@ -46,13 +47,13 @@ def save_random_moe(directory: Path, kind: str, seed: int = 0, **overrides: Any)
     elif kind == "qwen3_moe":  # Qwen3 attention (q/k norms), no shared expert
         config = transformers.Qwen3MoeConfig(
             **shape, intermediate_size=50, moe_intermediate_size=45, num_experts=5,
-            norm_topk_prob=True, mlp_only_layers=[1], head_dim=24)
+            norm_topk_prob=True, mlp_only_layers=only, head_dim=24)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             **shape, intermediate_size=50, moe_intermediate_size=45,
             shared_expert_intermediate_size=37, num_experts=5, norm_topk_prob=False,
-            mlp_only_layers=[1])
+            mlp_only_layers=only)
         model = transformers.Qwen2MoeForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -121,6 +122,42 @@ def test_parallel_layouts_reproduce_tp1(moe_case: dict[str, Any], tp: int, pp: i
         assert run.output == reference.output
         torch.testing.assert_close(torch.stack(run.logits), torch.stack(reference.logits),
                                    atol=ATOL, rtol=0)
+
+
+@pytest.fixture(params=["mixtral", "qwen2_moe"])
+def gguf_case(request: Any, tmp_path: Path) -> dict[str, Any]:
+    """A tiny MoE written by transformers and converted to GGUF the way llama.cpp
+    does; transformers' model of it (loaded before the test's leak check: its
+    progress bar keeps a semaphore)."""
+    pytest.importorskip("gguf")
+    from mpexec.models.testing import write_moe_gguf
+
+    kind = request.param
+    hf_dir = save_random_moe(tmp_path / kind, kind, mlp_only_layers=[])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    return {"kind": kind, "path": write_moe_gguf(tmp_path / f"{kind}.gguf", hf_dir),
+            "model": model}
+
+
+def test_gguf_experts_reproduce_transformers(gguf_case: dict[str, Any],
+                                             leak_check: None) -> None:
+    """The GGUF's stacked ffn_*_exps, ffn_gate_inp and Qwen2-MoE's shexp tensors
+    give transformers' logits, in one process (Mixtral) and with the experts
+    split over two ranks (EP=2, Qwen2-MoE: 3 + 2 experts, each rank reading
+    its experts at their offsets in the stacked tensors)."""
+    layout: dict[str, Any] = {"backend": "uni"} if gguf_case["kind"] == "mixtral" else \
+        {"tp": 2, "ep": True}
+    with make_executor(gguf_case["path"], **layout) as executor:
+        runs = StepDriver(executor, fetch_logits=True).generate(
+            {rid: (p, GREEDY) for rid, p in prompts().items()})
+    for rid, prompt in prompts().items():
+        run = runs[rid]
+        with torch.no_grad():
+            logits = gguf_case["model"](torch.tensor([prompt + run.output])).logits[0]
+        rows = logits[len(prompt) - 1:len(prompt) - 1 + len(run.output)]
+        assert run.output == rows.argmax(-1).tolist()
+        torch.testing.assert_close(torch.stack(run.logits), rows, atol=ATOL, rtol=0)
 
 
 @pytest.fixture(scope="module")
