@@ -124,7 +124,7 @@ def test_parallel_layouts_reproduce_tp1(moe_case: dict[str, Any], tp: int, pp: i
                                    atol=ATOL, rtol=0)
 
 
-@pytest.fixture(params=["mixtral", "qwen2_moe"])
+@pytest.fixture(params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def gguf_case(request: Any, tmp_path: Path) -> dict[str, Any]:
     """A tiny MoE written by transformers and converted to GGUF the way llama.cpp
     does; transformers' model of it (loaded before the test's leak check: its
@@ -143,11 +143,11 @@ def gguf_case(request: Any, tmp_path: Path) -> dict[str, Any]:
 def test_gguf_experts_reproduce_transformers(gguf_case: dict[str, Any],
                                              leak_check: None) -> None:
     """The GGUF's stacked ffn_*_exps, ffn_gate_inp and Qwen2-MoE's shexp tensors
-    give transformers' logits, in one process (Mixtral) and with the experts
-    split over two ranks (EP=2, Qwen2-MoE: 3 + 2 experts, each rank reading
-    its experts at their offsets in the stacked tensors)."""
-    layout: dict[str, Any] = {"backend": "uni"} if gguf_case["kind"] == "mixtral" else \
-        {"tp": 2, "ep": True}
+    give transformers' logits, in one process (Mixtral, Qwen3-MoE) and with the
+    experts split over two ranks (EP=2, Qwen2-MoE: 3 + 2 experts, each rank
+    reading its experts at their offsets in the stacked tensors)."""
+    layout: dict[str, Any] = {"tp": 2, "ep": True} if gguf_case["kind"] == "qwen2_moe" else \
+        {"backend": "uni"}
     with make_executor(gguf_case["path"], **layout) as executor:
         runs = StepDriver(executor, fetch_logits=True).generate(
             {rid: (p, GREEDY) for rid, p in prompts().items()})

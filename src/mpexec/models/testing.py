@@ -331,10 +331,11 @@ def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32
 
 
 def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
-    """Write a transformers-saved Mixtral or Qwen2-MoE directory as GGUF (float32),
-    the way llama.cpp's converter writes them: Mixtral as ``llama`` (Q/K rows
-    interleaved), Qwen2-MoE as ``qwen2moe``; each layer's experts stacked into
-    ``ffn_{gate,up,down}_exps`` ``[experts, rows, columns]``, the router
+    """Write a transformers-saved Mixtral, Qwen2-MoE or Qwen3-MoE directory as GGUF
+    (float32), the way llama.cpp's converter writes them: Mixtral as ``llama``
+    (Q/K rows interleaved), the others as ``qwen2moe`` / ``qwen3moe``; each
+    layer's experts stacked into ``ffn_{gate,up,down}_exps`` ``[experts, rows,
+    columns]``, the router
     ``ffn_gate_inp``, the shared expert ``ffn_*_shexp`` and its gate
     ``ffn_gate_inp_shexp`` as a vector.  No tokenizer: for weight and output
     tests.  Every layer must be sparse (GGUF has no ``mlp_only_layers``)."""
@@ -347,7 +348,7 @@ def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
     moe = parsed.moe
     if moe is None or not all(moe.is_sparse(n) for n in range(parsed.num_hidden_layers)):
         raise ValueError(f"{hf_dir}: not a mixture-of-experts model with experts on every layer")
-    arch = "llama" if moe.style == "mixtral" else "qwen2moe"
+    arch = {"llama": "llama", "qwen2": "qwen2moe", "qwen3": "qwen3moe"}[parsed.architecture]
     tensors: dict[str, Any] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
@@ -361,7 +362,7 @@ def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
             "attention.key_length": head_dim, "attention.value_length": head_dim,
             "rope.dimension_count": head_dim, "vocab_size": parsed.vocab_size,
             "expert_count": moe.num_experts, "expert_used_count": moe.top_k}
-    if arch == "qwen2moe":
+    if arch != "llama":
         ints["expert_feed_forward_length"] = moe.moe_intermediate_size
         ints["expert_shared_feed_forward_length"] = moe.shared_expert_intermediate_size
     for key, value in ints.items():
@@ -372,6 +373,9 @@ def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
         parsed.num_hidden_layers).items()}
     for layer in range(parsed.num_hidden_layers):
         prefix = moe.prefix(layer)
+        for norm in ("q_norm", "k_norm"):  # Qwen3-MoE
+            names[f"model.layers.{layer}.self_attn.{norm}.weight"] = \
+                f"blk.{layer}.attn_{norm}.weight"
         names[prefix + "gate.weight"] = f"blk.{layer}.ffn_gate_inp.weight"
         for part, kind in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             names[f"{prefix}shared_expert.{part}.weight"] = f"blk.{layer}.ffn_{kind}_shexp.weight"
