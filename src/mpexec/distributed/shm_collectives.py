@@ -26,7 +26,8 @@ Collective number k, on every rank r of the group, in the same order:
    tensor (the same additions on every rank: bit-identical results);
    all_gather: concatenate the slots;
    all_to_all: each slot starts with its rank's row count for every rank
-   (int64), then the rows in rank order: take this rank's rows of each slot.
+   (int64), then its rows for the other ranks in rank order: take this
+   rank's rows of each slot (and its own rows from its own tensor).
 
 Why two buffers are enough: rank r writes slot(k % 2, r) again at
 collective k + 2, after its wait in k + 1 saw every peer publish k + 1; a
@@ -376,8 +377,9 @@ class ShmCommunicator:
         from each.  None: too large for shared memory, use gloo (all ranks agree).
 
         One collective: a rank's slot holds its ``splits`` (int64, one per rank)
-        and then its rows, so every rank finds its rows in every slot.  The
-        rows must agree in dtype and trailing shape on every rank.
+        and then its rows for the other ranks, so every rank finds its rows in
+        every slot (its rows to itself never leave it).  The rows must agree
+        in dtype and trailing shape on every rank.
         """
         self._enter("all_to_all")
         try:
@@ -391,27 +393,36 @@ class ShmCommunicator:
         if len(splits) != world or sum(splits) != tensor.shape[0]:
             raise ValueError(f"all_to_all: splits {splits} must give one row count per rank "
                              f"({world}) and add up to the {tensor.shape[0]} rows")
-        rows = tensor.contiguous().view(-1).view(torch.uint8)
+        contiguous = tensor.contiguous()
+        row_shape = tuple(tensor.shape[1:])
+        row_bytes = math.prod(row_shape) * tensor.element_size()
+        me = self.rank
+        rows = contiguous.view(-1).view(torch.uint8)
+        # this rank's rows to itself stay out of the slot
+        lo, hi = sum(splits[:me]) * row_bytes, sum(splits[:me + 1]) * row_bytes
+        own = rows[lo:hi]
         header = torch.tensor(splits, dtype=torch.int64).view(torch.uint8)
-        packed = torch.cat([header, rows])
+        packed = torch.cat([header, rows[:lo], rows[hi:]])
         exchanged = self._exchange(packed, world)
         if exchanged is None:
             return None
         buffer, sizes = exchanged
-        row_shape = tuple(tensor.shape[1:])
-        row_bytes = math.prod(row_shape) * tensor.element_size()
         parts, counts = [], []
         for r in range(world):
+            if r == me:
+                parts.append(own)
+                counts.append(splits[me])
+                continue
             raw = self._slot(buffer, r, torch.uint8)
             their = raw[:8 * world].view(torch.int64).tolist()
-            if 8 * world + sum(their) * row_bytes != sizes[r]:
+            if 8 * world + (sum(their) - their[r]) * row_bytes != sizes[r]:
                 raise ValueError(f"all_to_all: rank {r} sent {sizes[r]} bytes for rows of "
                                  f"{row_bytes} bytes: every rank must pass the same dtype and "
                                  "trailing shape")
-            start = 8 * world + sum(their[:self.rank]) * row_bytes
-            count = their[self.rank]
-            counts.append(count)
-            parts.append(raw[start:start + count * row_bytes])
+            before = sum(their[:me]) - (their[r] if r < me else 0)
+            start = 8 * world + before * row_bytes
+            counts.append(their[me])
+            parts.append(raw[start:start + their[me] * row_bytes])
         received = torch.cat(parts).view(tensor.dtype).view(sum(counts), *row_shape)
         return received, counts
 
