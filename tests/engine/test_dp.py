@@ -137,6 +137,19 @@ def test_hung_replica_without_restart_is_the_typed_error() -> None:
         assert time.monotonic() - started < 60 and stopped and llm.engine.is_dead
 
 
+def test_lockstep_failure_names_the_rank_that_died_not_its_peers() -> None:
+    from mpexec.engine.dp import _root_failure
+    from mpexec.errors import WorkerError
+
+    peer = WorkerError("rank 0 raised PeerDiedInCollectiveError", rank=0, pid=2,
+                       method="execute_model", exc_type="PeerDiedInCollectiveError",
+                       remote_traceback="")
+    stalled = WorkerStalledError("worker rank 0 has been stopped", rank=0, pid=1,
+                                 seen="stopped")
+    assert _root_failure([peer, stalled]) is stalled
+    assert _root_failure([peer]) is peer
+
+
 def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="steps the replicas in lockstep: it needs"):
         LLM("default", data_parallel_size=2, enable_expert_parallel=True,
