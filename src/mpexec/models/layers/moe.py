@@ -42,8 +42,10 @@ experts and back (``dispatch``):
   replica keeps its own rows.  Three collectives, the last one over every
   replica's rows.
 
-``benchmarks/bench_moe_dispatch.py`` measures the two; all_to_all is the
-default wherever it applies.  The shared expert runs on the replica's own
+``benchmarks/bench_moe_dispatch.py`` measures the two: at two ranks on one
+node they cost the same (the expert matmuls dominate); all_to_all is the
+default wherever it applies because its traffic does not grow with the
+number of replicas (docs/models.md).  The shared expert runs on the replica's own
 tokens with its own TP all-reduce.
 """
 
