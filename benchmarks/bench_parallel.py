@@ -17,9 +17,12 @@ Prints three tables from one run::
    ``generate`` in this process with the same thread count (target >= 1.2x),
    and TP=2 against EP=2 (experts split whole across the two ranks);
 3. failover: DP=2 with ``replica_restart``; one replica's worker is SIGKILLed
-   when a quarter of the tokens are out: seconds from the kill to the
-   rebuilt replica taking work, requests lost (outputs that differ from an
-   undisturbed run; target 0), and the wall time against the undisturbed run.
+   (dead), then in a second run SIGSTOPped (hung: the executor's stall watch
+   kills it after ``worker_stopped_timeout_s``), when a quarter of the tokens
+   are out: seconds from the signal to the rebuilt replica taking work and
+   the timeline between (``failover.timeline``), requests lost (outputs that
+   differ from an undisturbed run; target 0), and the wall time against the
+   undisturbed run.
 
 The load average is printed with each table: the numbers depend on the
 machine and what else runs on it; compare within one run.
@@ -147,36 +150,58 @@ def moe(args: argparse.Namespace) -> None:
     print()
 
 
-def failover(args: argparse.Namespace) -> None:
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    batch = prompts(args.failover_requests, args.prompt_len, 20000, seed=2)
+def failover_run(args: argparse.Namespace, signame: str, batch: list[dict[str, Any]],
+                 params: SamplingParams) -> tuple[list[str], list[str], list[str]]:
+    """One DP=2 run with DP rank 1's worker signalled: (row, timeline row, events)."""
+    signum = getattr(signal, signame)
     total = len(batch) * args.max_tokens
     with LLM(args.model, data_parallel_size=2, replica_restart=True, num_threads=args.threads,
              max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
         timed(llm, batch[:2], SamplingParams(max_tokens=4))
         clean_s, clean = timed(llm, batch, params)
-        killed: list[float] = []
+        hit_at: list[float] = []
 
-        def kill(finished: int, count: int, tokens: int) -> None:
-            if not killed and tokens >= total // 4:
-                os.kill(llm.engine.replicas[1].executor.workers[0].proc.pid, signal.SIGKILL)
-                killed.append(time.monotonic())
+        def hit(finished: int, count: int, tokens: int) -> None:
+            if not hit_at and tokens >= total // 4:
+                os.kill(llm.engine.replicas[1].executor.workers[0].proc.pid, signum)
+                hit_at.append(time.monotonic())
 
         before = load()
-        hit_s, hit = timed(llm, batch, params, progress=kill)
+        hit_s, hurt = timed(llm, batch, params, progress=hit)
         deadline = time.monotonic() + 120
         while not llm.engine.failover.restarts and time.monotonic() < deadline:
             time.sleep(0.1)  # the rebuild may outlast the generate call
         stats = llm.engine.failover
-    lost = sum(a.token_ids != b.token_ids for a, b in zip(clean, hit, strict=True))
-    recovery = f"{stats.recovery_s[0][1]:.1f}" if stats.recovery_s else "not back"
-    rows = [[str(len(batch)), f"{clean_s:.1f}", f"{hit_s:.1f}", f"{hit_s / clean_s:.2f}x",
-             str(stats.requeued_requests), recovery, str(lost), before]]
-    print(render(f"3. failover: DP=2, replica_restart, SIGKILL of DP rank 1's worker after "
+    lost = sum(a.token_ids != b.token_ids for a, b in zip(clean, hurt, strict=True))
+    first = {phase: at for at, _, phase in reversed(stats.timeline)}
+    since = hit_at[0] if hit_at else 0.0
+    phases = [signame] + [f"{first[p] - since:.1f}" if p in first else "-"
+                          for p in ("failed", "rebuilding", "serving")]
+    row = [signame, str(len(batch)), f"{clean_s:.1f}", f"{hit_s:.1f}",
+           f"{hit_s / clean_s:.2f}x", str(stats.requeued_requests), phases[-1], str(lost),
+           before]
+    return row, phases, [f"{signame}: {event}" for event in stats.events]
+
+
+def failover(args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batch = prompts(args.failover_requests, args.prompt_len, 20000, seed=2)
+    total = len(batch) * args.max_tokens
+    rows, phases, events = [], [], []
+    for signame in args.failover_signals.split(","):
+        row, phase, said = failover_run(args, signame, batch, params)
+        rows.append(row)
+        phases.append(phase)
+        events += said
+        print(f"# failover {signame} done", file=sys.stderr, flush=True)
+    print(render(f"3. failover: DP=2, replica_restart, DP rank 1's worker signalled after "
                  f"{total // 4} of {total} tokens (target: 0 lost)",
-                 ["requests", "undisturbed s", "with kill s", "slowdown", "re-queued",
-                  "kill -> serving again s", "lost", "load avg before"], rows))
-    for event in stats.events:
+                 ["signal", "requests", "undisturbed s", "with failure s", "slowdown",
+                  "re-queued", "signal -> serving again s", "lost", "load avg before"], rows))
+    print(render("   timeline, seconds after the signal (failed: the front end saw it; "
+                 "rebuilding: the new replica started; serving: it takes work)",
+                 ["signal", "failed", "rebuilding", "serving"], phases))
+    for event in events:
         print(f"# {event}")
 
 
@@ -192,6 +217,8 @@ def main() -> None:
     parser.add_argument("--moe-batch", type=int, default=8)
     parser.add_argument("--moe-tokens", type=int, default=32)
     parser.add_argument("--failover-requests", type=int, default=16)
+    parser.add_argument("--failover-signals", default="SIGKILL,SIGSTOP",
+                        help="a worker killed (SIGKILL) or hung (SIGSTOP), one run each")
     parser.add_argument("--parts", default="dense,moe,failover")
     args = parser.parse_args()
     print(f"# {os.cpu_count()} CPUs, load average {load()}")

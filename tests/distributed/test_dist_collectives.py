@@ -38,6 +38,15 @@ def gather_input(rank: int, group_rank: int) -> Any:
         2, group_rank + 1, 3) + 100 * rank
 
 
+def a2a_input(rank: int, group_rank: int, world: int, extra: int) -> tuple[Any, list[int]]:
+    # group rank i sends (i + p) % 3 (+ extra) rows of 3 to group rank p: some none
+    splits = [(group_rank + p) % 3 + extra for p in range(world)]
+    rows = [torch.tensor([rank, p, j], dtype=torch.float32)
+            for p in range(world) for j in range(splits[p])]
+    x = torch.stack(rows) if rows else torch.empty(0, 3)
+    return x, splits
+
+
 def layout_kwargs(layout: ParallelLayout) -> dict[str, Any]:
     return {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
             "prefill_context_model_parallel_size": layout.pcp,
@@ -75,6 +84,9 @@ def exercise(rank: int, world_size: int, init_method: str, layout: ParallelLayou
         res["gather_last"] = group.all_gather(x.transpose(1, 2), dim=-1)
         res["gather0"] = group.all_gather(x.reshape(-1, 3), dim=0)
         res["gather_to_last"] = group.gather(x, dst=group.world_size - 1, dim=1)
+        for extra in (0, 1000):  # 1000 rows outgrow the first slots
+            res[f"a2a{extra}"] = group.all_to_all(
+                *a2a_input(rank, group.rank_in_group, group.world_size, extra))
         res["broadcast"] = group.broadcast(torch.full((3,), float(rank)), src=group.world_size - 1)
         res["object"] = group.broadcast_object({"from": rank} if group.is_first_rank else None)
         group.barrier()
@@ -172,6 +184,12 @@ def check(layout: ParallelLayout, results: list[dict[str, Any]], use_shm: bool) 
                 assert torch.equal(res["gather_to_last"], torch.cat(inputs, dim=1))
             else:
                 assert res["gather_to_last"] is None
+            for extra in (0, 1000):
+                got, counts = res[f"a2a{extra}"]
+                sent = [a2a_input(r, j, len(ranks), extra) for j, r in enumerate(ranks)]
+                want = [x[sum(sp[:i]):sum(sp[:i + 1])] for x, sp in sent]
+                assert counts == [sp[i] for _, sp in sent], (rank, name, extra)
+                assert torch.equal(got, torch.cat(want)), (rank, name, extra)
             assert torch.equal(res["broadcast"], torch.full((3,), float(ranks[-1])))
             assert res["object"] == {"from": ranks[0]}
         coords = layout.coordinates(rank)

@@ -19,7 +19,7 @@ import pytest
 
 from mpexec.engine.dp import DataParallelEngine
 from mpexec.engine.llm import LLM
-from mpexec.errors import WorkerDiedError
+from mpexec.errors import WorkerDiedError, WorkerStalledError
 from mpexec.outputs import SamplingParams
 from tests.engine.conftest import FAKE_WORKER
 from tests.engine.fake_tokenizer import FakeTokenizer
@@ -56,13 +56,14 @@ def test_two_replicas_give_one_replicas_outputs_in_order(params: SamplingParams)
     assert stats.sampled_tokens == sum(len(o.token_ids) for o in outputs)
 
 
-def _kill_replica_midway(llm: LLM, rank: int, after_tokens: int) -> Any:
+def _kill_replica_midway(llm: LLM, rank: int, after_tokens: int,
+                         signum: int = signal.SIGKILL) -> Any:
     killed: list[int] = []
 
     def progress(finished: int, total: int, tokens: int) -> None:
         if not killed and tokens >= after_tokens:
             pid = llm.engine.replicas[rank].executor.workers[0].proc.pid
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
             killed.append(pid)
 
     return progress, killed
@@ -104,10 +105,55 @@ def test_killed_replica_without_restart_is_the_typed_error() -> None:
         assert killed and llm.engine.is_dead
 
 
+@pytest.mark.slow
+def test_hung_replica_fails_over_within_the_stopped_bound() -> None:
+    """A worker SIGSTOPped mid-generate (hung, not dead): the executor's stall
+    watch names it after ``worker_stopped_timeout_s`` and kills it, the replica
+    fails over like a dead one, and every request finishes with its tokens."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with fake_llm(data_parallel_size=2, replica_restart=True, worker_stopped_timeout_s=1.0,
+                  worker_kwargs={"step_delay_s": 0.01}) as llm:
+        llm.engine.backoff_s = 0.1
+        progress, stopped = _kill_replica_midway(llm, 1, 20, signal.SIGSTOP)
+        started = time.monotonic()
+        outputs = llm.generate(PROMPTS, params, progress=progress)
+        took = time.monotonic() - started
+        failover = llm.engine.failover
+    assert stopped and [o.token_ids for o in outputs] == expected(params)
+    assert failover.failures == 1 and failover.requeued_requests >= 1
+    assert "DP rank 1 failed (WorkerStalledError" in failover.events[0], failover.events
+    assert took < 60  # the stopped bound (1 s) plus a tick, not the step deadline (60 s)
+
+
+@pytest.mark.slow
+def test_hung_replica_without_restart_is_the_typed_error() -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with fake_llm(data_parallel_size=2, worker_stopped_timeout_s=1.0,
+                  worker_kwargs={"step_delay_s": 0.01}) as llm:
+        progress, stopped = _kill_replica_midway(llm, 1, 20, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerStalledError, match="has been stopped"):
+            llm.generate(PROMPTS, params, progress=progress)
+        assert time.monotonic() - started < 60 and stopped and llm.engine.is_dead
+
+
+def test_lockstep_failure_names_the_rank_that_died_not_its_peers() -> None:
+    from mpexec.engine.dp import _root_failure
+    from mpexec.errors import WorkerError
+
+    peer = WorkerError("rank 0 raised PeerDiedInCollectiveError", rank=0, pid=2,
+                       method="execute_model", exc_type="PeerDiedInCollectiveError",
+                       remote_traceback="")
+    stalled = WorkerStalledError("worker rank 0 has been stopped", rank=0, pid=1,
+                                 seen="stopped")
+    assert _root_failure([peer, stalled]) is stalled
+    assert _root_failure([peer]) is peer
+
+
 def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="steps the replicas in lockstep: it needs"):
         LLM("default", data_parallel_size=2, enable_expert_parallel=True,
-            replica_restart=True)
+            async_scheduling=True)
     with pytest.raises(ValueError, match="across nodes are not supported"):
         LLM("default", data_parallel_size=2, nnodes=2)
 

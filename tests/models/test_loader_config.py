@@ -188,7 +188,8 @@ GGUF_BASE: dict[str, Any] = {
 GGUF_KEYS = [*GGUF_BASE, "llama.rope.scaling.type", "llama.rope.scaling.factor",
              "llama.rope.scaling.original_context_length", "llama.attention.key_length",
              "llama.attention.value_length", "llama.rope.dimension_count",
-             "llama.expert_count", "tokenizer.ggml.eot_token_id"]
+             "llama.expert_count", "llama.expert_used_count",
+             "llama.expert_feed_forward_length", "tokenizer.ggml.eot_token_id"]
 
 
 @settings(max_examples=300, deadline=None)

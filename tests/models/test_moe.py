@@ -39,6 +39,7 @@ SHAPE = dict(vocab_size=101, hidden_size=64, num_hidden_layers=3, num_attention_
 
 def save_random_moe(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
     torch.manual_seed(seed)
+    only = overrides.pop("mlp_only_layers", [1])  # Qwen: the dense layers
     shape = {**SHAPE, **overrides}
     if kind == "mixtral":
         config = transformers.MixtralConfig(**shape, intermediate_size=45, num_local_experts=5)
@@ -46,13 +47,13 @@ def save_random_moe(directory: Path, kind: str, seed: int = 0, **overrides: Any)
     elif kind == "qwen3_moe":  # Qwen3 attention (q/k norms), no shared expert
         config = transformers.Qwen3MoeConfig(
             **shape, intermediate_size=50, moe_intermediate_size=45, num_experts=5,
-            norm_topk_prob=True, mlp_only_layers=[1], head_dim=24)
+            norm_topk_prob=True, mlp_only_layers=only, head_dim=24)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             **shape, intermediate_size=50, moe_intermediate_size=45,
             shared_expert_intermediate_size=37, num_experts=5, norm_topk_prob=False,
-            mlp_only_layers=[1])
+            mlp_only_layers=only)
         model = transformers.Qwen2MoeForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -123,6 +124,42 @@ def test_parallel_layouts_reproduce_tp1(moe_case: dict[str, Any], tp: int, pp: i
                                    atol=ATOL, rtol=0)
 
 
+@pytest.fixture(params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def gguf_case(request: Any, tmp_path: Path) -> dict[str, Any]:
+    """A tiny MoE written by transformers and converted to GGUF the way llama.cpp
+    does; transformers' model of it (loaded before the test's leak check: its
+    progress bar keeps a semaphore)."""
+    pytest.importorskip("gguf")
+    from mpexec.models.testing import write_moe_gguf
+
+    kind = request.param
+    hf_dir = save_random_moe(tmp_path / kind, kind, mlp_only_layers=[])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    return {"kind": kind, "path": write_moe_gguf(tmp_path / f"{kind}.gguf", hf_dir),
+            "model": model}
+
+
+def test_gguf_experts_reproduce_transformers(gguf_case: dict[str, Any],
+                                             leak_check: None) -> None:
+    """The GGUF's stacked ffn_*_exps, ffn_gate_inp and Qwen2-MoE's shexp tensors
+    give transformers' logits, in one process (Mixtral, Qwen3-MoE) and with the
+    experts split over two ranks (EP=2, Qwen2-MoE: 3 + 2 experts, each rank
+    reading its experts at their offsets in the stacked tensors)."""
+    layout: dict[str, Any] = {"tp": 2, "ep": True} if gguf_case["kind"] == "qwen2_moe" else \
+        {"backend": "uni"}
+    with make_executor(gguf_case["path"], **layout) as executor:
+        runs = StepDriver(executor, fetch_logits=True).generate(
+            {rid: (p, GREEDY) for rid, p in prompts().items()})
+    for rid, prompt in prompts().items():
+        run = runs[rid]
+        with torch.no_grad():
+            logits = gguf_case["model"](torch.tensor([prompt + run.output])).logits[0]
+        rows = logits[len(prompt) - 1:len(prompt) - 1 + len(run.output)]
+        assert run.output == rows.argmax(-1).tolist()
+        torch.testing.assert_close(torch.stack(run.logits), rows, atol=ATOL, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def moe_with_tokenizer(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Mixtral with the tiny checkpoint's vocabulary and tokenizer (for LLM)."""
@@ -160,11 +197,22 @@ def _dp_and_ep_groups(wrapper: Any) -> tuple[int, int, int, int]:
     return dp.rank_in_group, dp.world_size, ep.rank_in_group, ep.world_size
 
 
+def _set_dispatch(wrapper: Any, dispatch: str) -> list[str]:
+    """Every MoE block of this worker dispatches its tokens this way; their ways before."""
+    blocks = [layer.moe for layer in wrapper.worker.stage.layers if layer.moe is not None]
+    before = [block.dispatch for block in blocks]
+    for block in blocks:
+        block.dispatch = dispatch
+    return before
+
+
 @pytest.mark.slow
-def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
+def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path, dispatch: str,
                                                      leak_check: None) -> None:
     """DP=2 x TP=1 with EP: one EP group of both replicas' ranks (3 + 2 experts),
-    the replicas in lockstep, an idle one running dummy batches."""
+    the replicas in lockstep, an idle one running dummy batches; the tokens go
+    to their experts by all-to-all (the default) or by all-gather."""
     from mpexec.engine.llm import LLM
 
     g = torch.Generator().manual_seed(8)
@@ -178,6 +226,10 @@ def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
         with LLM(str(moe_with_tokenizer), data_parallel_size=dp, enable_expert_parallel=ep,
                  num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
                  shutdown_grace_s=5.0) as llm:
+            if ep:
+                for engine in llm.engine.replicas:
+                    before = engine.executor.collective_rpc(_set_dispatch, args=(dispatch,))
+                    assert before == [["all_to_all"] * 3]
             results.append([o.token_ids for o in llm.generate(prompts_, params)])
             if ep:
                 assert llm.engine.lockstep and llm.engine.dummy_steps > 0
@@ -185,6 +237,76 @@ def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path,
                           for e in llm.engine.replicas]
     assert groups == [[(0, 2, 0, 2)], [(1, 2, 1, 2)]]
     assert results[0] == results[1]
+
+
+def _stop_replica_midway(llm: Any, rank: int, after_tokens: int, signum: int) -> Any:
+    hit: list[int] = []
+
+    def progress(finished: int, total: int, tokens: int) -> None:
+        if not hit and tokens >= after_tokens:
+            pid = llm.engine.replicas[rank].executor.workers[0].proc.pid
+            os.kill(pid, signum)
+            hit.append(pid)
+
+    return progress, hit
+
+
+def _ep_prompts() -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(8)
+    return [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
+            for i in range(5)]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_of_experts_across_replicas_is_a_bounded_typed_error(
+        moe_with_tokenizer: Path, leak_check: None) -> None:
+    """DP=2 with experts across the replicas, no failover: SIGSTOP replica 1's
+    worker mid-generate.  Its executor's stall watch kills it, replica 0's
+    collective sees the peer gone, and the caller gets the frozen rank's
+    WorkerStalledError (the cause, not the peer's broken collective)."""
+    from mpexec.engine.llm import LLM
+    from mpexec.errors import WorkerStalledError
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(moe_with_tokenizer), data_parallel_size=2, enable_expert_parallel=True,
+             num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
+             shutdown_grace_s=5.0, worker_stopped_timeout_s=1.0) as llm:
+        progress, stopped = _stop_replica_midway(llm, 1, 10, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerStalledError, match="has been stopped"):
+            llm.generate(_ep_prompts(), params, progress=progress)
+        assert time.monotonic() - started < 60  # not the step deadline (300 s)
+        assert stopped and llm.engine.is_dead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+def test_expert_group_restarts_together_and_loses_no_request(
+        moe_with_tokenizer: Path, signum: int, leak_check: None) -> None:
+    """replica_restart with experts across the replicas: one replica's worker
+    killed (or frozen) mid-generate takes the whole expert parallel group
+    down; it is rebuilt and joined again, and every request finishes with
+    the greedy tokens of an undisturbed run."""
+    from mpexec.engine.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts_ = _ep_prompts()
+    with LLM(str(moe_with_tokenizer), data_parallel_size=2, enable_expert_parallel=True,
+             replica_restart=True, num_threads=1, block_size=4,
+             kv_cache_memory_bytes=16 << 20, shutdown_grace_s=5.0,
+             worker_stopped_timeout_s=1.0) as llm:
+        want = [o.token_ids for o in llm.generate(prompts_, params)]
+        progress, hit = _stop_replica_midway(llm, 1, 15, signum)
+        got = [o.token_ids for o in llm.generate(prompts_, params, progress=progress)]
+        failover = llm.engine.failover
+        assert all(e is not None for e in llm.engine.replicas)
+        groups = [e.executor.collective_rpc(_dp_and_ep_groups) for e in llm.engine.replicas]
+    assert hit and got == want
+    assert failover.restarts == 1 and failover.requeued_requests == 5, failover.events
+    assert failover.recovery_s and [r for r, _ in failover.recovery_s] == [0, 1]
+    assert any("taken down with its expert parallel group" in e for e in failover.events) \
+        or failover.failures == 2, failover.events
+    assert groups == [[(0, 2, 0, 2)], [(1, 2, 1, 2)]]  # the rebuilt group is whole again
 
 
 def test_expert_parallel_needs_an_moe_model(tiny_checkpoint: Path) -> None:

@@ -202,6 +202,29 @@ class GroupCoordinator:
         joined = torch.cat([p[:n] for p, n in zip(parts, extents, strict=True)])
         return joined.movedim(0, dim).contiguous()
 
+    def all_to_all(self, tensor: torch.Tensor,
+                   splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``[sum(splits[:p]), sum(splits[:p + 1]))`` of ``tensor`` to group
+        rank p; the rows every rank sent here (in group order) and their counts."""
+        if self.world_size == 1:
+            return tensor, list(splits)
+        if tensor.device.type == "cpu":
+            comm = self._shm_communicator()
+            if comm is not None:
+                exchanged = comm.all_to_all(tensor, splits)
+                if exchanged is not None:
+                    return exchanged
+        group = self._group_for(tensor)
+        sent = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
+        got = torch.empty_like(sent)
+        with self._guard["all_to_all"]:
+            dist.all_to_all_single(got, sent, group=group)
+        counts = [int(c) for c in got.tolist()]
+        out = tensor.new_empty((sum(counts), *tensor.shape[1:]))
+        with self._guard["all_to_all"]:
+            dist.all_to_all_single(out, tensor.contiguous(), counts, list(splits), group=group)
+        return out, counts
+
     def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """The all_gather result on group rank ``dst``; None on the others."""
         self._global(dst, "dst")

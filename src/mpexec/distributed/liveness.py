@@ -121,8 +121,8 @@ class CollectiveGuard:
 
 
 # The torch.distributed calls a process group makes, each under a guard.
-GUARDED_CALLS = ("all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast",
-                 "broadcast_object_list", "recv", "send")
+GUARDED_CALLS = ("all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier",
+                 "broadcast", "broadcast_object_list", "recv", "send")
 
 
 def collective_guards(group: str, rank_in_group: int) -> dict[str, CollectiveGuard]:

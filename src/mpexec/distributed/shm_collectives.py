@@ -1,4 +1,4 @@
-"""All-reduce and all-gather of CPU tensors through one shared segment.
+"""All-reduce, all-gather and all-to-all of CPU tensors through one shared segment.
 
 For the ranks of one group on one node, a collective is a handful of
 memory copies instead of gloo's trips through loopback TCP.  Group rank 0
@@ -24,7 +24,10 @@ Collective number k, on every rank r of the group, in the same order:
    so a dead peer raises within a tick instead of hanging;
 4. all_reduce: sum slots 0, 1, ..., N-1 in that order into the caller's
    tensor (the same additions on every rank: bit-identical results);
-   all_gather: concatenate the slots.
+   all_gather: concatenate the slots;
+   all_to_all: each slot starts with its rank's row count for every rank
+   (int64), then its rows for the other ranks in rank order: take this
+   rank's rows of each slot (and its own rows from its own tensor).
 
 Why two buffers are enough: rank r writes slot(k % 2, r) again at
 collective k + 2, after its wait in k + 1 saw every peer publish k + 1; a
@@ -366,6 +369,62 @@ class ShmCommunicator:
                     "the same dtype and the same sizes outside the gathered dimension")
             parts.append(self._slot(buffer, r, contiguous.dtype)[:numel].view(shape))
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, tensor: torch.Tensor,
+                   splits: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """Rows ``[sum(splits[:p]), sum(splits[:p + 1]))`` of ``tensor`` go to rank p;
+        returns the rows every rank sent here, in rank order, and how many came
+        from each.  None: too large for shared memory, use gloo (all ranks agree).
+
+        One collective: a rank's slot holds its ``splits`` (int64, one per rank)
+        and then its rows for the other ranks, so every rank finds its rows in
+        every slot (its rows to itself never leave it).  The rows must agree
+        in dtype and trailing shape on every rank.
+        """
+        self._enter("all_to_all")
+        try:
+            return self._all_to_all(tensor, splits)
+        finally:
+            self._busy.release()
+
+    def _all_to_all(self, tensor: torch.Tensor,
+                    splits: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        world = self.world_size
+        if len(splits) != world or sum(splits) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: splits {splits} must give one row count per rank "
+                             f"({world}) and add up to the {tensor.shape[0]} rows")
+        contiguous = tensor.contiguous()
+        row_shape = tuple(tensor.shape[1:])
+        row_bytes = math.prod(row_shape) * tensor.element_size()
+        me = self.rank
+        rows = contiguous.view(-1).view(torch.uint8)
+        # this rank's rows to itself stay out of the slot
+        lo, hi = sum(splits[:me]) * row_bytes, sum(splits[:me + 1]) * row_bytes
+        own = rows[lo:hi]
+        header = torch.tensor(splits, dtype=torch.int64).view(torch.uint8)
+        packed = torch.cat([header, rows[:lo], rows[hi:]])
+        exchanged = self._exchange(packed, world)
+        if exchanged is None:
+            return None
+        buffer, sizes = exchanged
+        parts, counts = [], []
+        for r in range(world):
+            if r == me:
+                parts.append(own)
+                counts.append(splits[me])
+                continue
+            raw = self._slot(buffer, r, torch.uint8)
+            their = raw[:8 * world].view(torch.int64).tolist()
+            if 8 * world + (sum(their) - their[r]) * row_bytes != sizes[r]:
+                raise ValueError(f"all_to_all: rank {r} sent {sizes[r]} bytes for rows of "
+                                 f"{row_bytes} bytes: every rank must pass the same dtype and "
+                                 "trailing shape")
+            before = sum(their[:me]) - (their[r] if r < me else 0)
+            start = 8 * world + before * row_bytes
+            counts.append(their[me])
+            parts.append(raw[start:start + their[me] * row_bytes])
+        received = torch.cat(parts).view(tensor.dtype).view(sum(counts), *row_shape)
+        return received, counts
 
     def close(self) -> None:
         """Unmap and stop watching; idempotent.  Not collective."""

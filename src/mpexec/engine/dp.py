@@ -16,17 +16,23 @@ depend on which replica runs it (greedy, or seeded: the worker's noise is
 keyed by the request id and position, and the front end names every
 request, ``req-N``, before it picks the replica).
 
-Failover (``restart=True``): when a replica fails (a worker died, a
-collective timed out, its health check failed), its unfinished requests are
-taken back before the engine aborts them, reset as a preempted request is
-(blocks and computed tokens forgotten, the tokens generated so far kept) and
-queued on the least-loaded surviving replica, which recomputes their prefix
-and continues; the dead replica is shut down and rebuilt by the factory in
-a background thread, retried with backoff (1, 2, 4 ... s, up to
-``max_restarts`` in a row).  With no live replica the requests wait for the
-rebuilt one.  ``stats`` counts failures, restarts and re-queued requests;
-every event is logged.  Without failover the first failure is the caller's
-error, as with one engine.
+Failover (``restart=True``): when a replica fails (a worker died or hung
+past the executor's stall bounds, a collective failed, its health check
+failed), its unfinished requests are taken back before the engine aborts
+them, reset as a preempted request is (blocks and computed tokens
+forgotten, the tokens generated so far kept) and queued on the least-loaded
+surviving replica, which recomputes their prefix and continues; the dead
+replica is shut down and rebuilt by the factory in a background thread at
+once, and when that fails again after a backoff (``backoff_s``, doubling,
+up to ``max_restarts`` in a row).  With no live replica the requests wait for the rebuilt one.  The
+unit that fails and restarts is one replica, or with lockstep every replica
+(they share one expert-parallel world: a rank cannot rejoin alone, so the
+survivors are taken down with it and the group is rebuilt and joined
+again).  ``stats`` counts failures, restarts and re-queued requests, and
+``failover.timeline`` stamps each phase; every event is logged.  Without
+failover the first failure is the caller's error, as with one engine (with
+lockstep the failure of the rank that died or hung, not its peers' broken
+collectives).
 
 Lockstep (``lockstep=True``, experts split across the replicas): every MoE
 layer's collectives span all replicas, so each step runs one forward on
@@ -48,6 +54,7 @@ from typing import Any
 
 from mpexec.engine.engine import Engine, EngineDeadError, EngineStats
 from mpexec.engine.request import FinishReason, Request, RequestStatus
+from mpexec.errors import WorkerDiedError
 from mpexec.outputs import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,21 +68,23 @@ class FailoverStats:
     # (DP rank, seconds from the failure to the rebuilt replica taking work)
     recovery_s: list[tuple[int, float]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    # (monotonic time, DP ranks, phase): "failed" (seen by the front end),
+    # "rebuilding" (the factory called), "serving" (the rebuilt replica takes work)
+    timeline: list[tuple[float, tuple[int, ...], str]] = field(default_factory=list)
 
 
 class DataParallelEngine:
     """``len(replicas)`` engines behind the API of one (see the module docstring)."""
 
     def __init__(self, replicas: list[Engine], *, restart: bool = False,
-                 factory: Callable[[int], Engine] | None = None, max_restarts: int = 3,
-                 backoff_s: float = 1.0, lockstep: bool = False) -> None:
+                 factory: Callable[[list[int]], list[Engine]] | None = None,
+                 max_restarts: int = 3, backoff_s: float = 1.0, lockstep: bool = False) -> None:
+        """``factory(ranks)`` rebuilds the replicas of those DP ranks (with
+        lockstep: all of them, joined into one world again)."""
         if not replicas:
             raise ValueError("a data parallel engine needs at least one replica")
         if restart and factory is None:
             raise ValueError("restart=True needs a factory that rebuilds a replica")
-        if restart and lockstep:
-            raise ValueError("replica_restart with replicas in lockstep (experts split "
-                             "across replicas) is not supported")
         # Replicas that share collectives (experts split across them) step
         # together: one forward each per step, an idle one a dummy batch.
         self.lockstep = lockstep
@@ -94,9 +103,10 @@ class DataParallelEngine:
         self._orphans: list[Request] = []  # waiting for a live replica
         self._next_id = 0
         self._lock = threading.Lock()  # replicas[] and _orphans against the rebuilders
-        self._rebuilding: dict[int, threading.Thread] = {}
-        self._failed_at: dict[int, float] = {}
-        self._attempts: dict[int, int] = {}
+        # keyed by the unit that fails and restarts together (see _unit)
+        self._rebuilding: dict[tuple[int, ...], threading.Thread] = {}
+        self._failed_at: dict[tuple[int, ...], float] = {}
+        self._attempts: dict[tuple[int, ...], int] = {}
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=len(replicas),
                                         thread_name_prefix="mpexec-dp-step")
@@ -178,10 +188,12 @@ class DataParallelEngine:
         """Step every replica with work at once; the requests that changed."""
         self._raise_if_dead()
         if self.restart:  # a replica whose worker died while it was idle
-            for rank, engine in self._live():
-                if engine.is_dead and not engine.has_unfinished_requests():
-                    self._fail_over(rank, engine, [], engine.error or RuntimeError(
-                        "its executor reported a worker failure"))
+            dead: list[tuple[int, Engine, list[Request], BaseException]] = [
+                (rank, e, [], e.error or RuntimeError(
+                    "its executor reported a worker failure"))
+                for rank, e in self._live() if e.is_dead and not e.has_unfinished_requests()]
+            if dead:
+                self._fail_over(dead)
         self._adopt_orphans()
         busy = [(rank, e) for rank, e in self._live() if e.has_unfinished_requests()]
         if not busy:
@@ -198,18 +210,17 @@ class DataParallelEngine:
             self.dummy_steps += len(idle)
             futures += [(rank, e, self._pool.submit(_dummy_step, e)) for rank, e in idle]
         changed: list[Request] = []
-        failure: BaseException | None = None
+        failed: list[tuple[int, Engine, list[Request], BaseException]] = []
         for rank, engine, future in futures:
             try:
                 changed += future.result()
             except BaseException as exc:
-                if not self.restart:
-                    failure = failure or exc
-                    continue
-                changed += self._fail_over(rank, engine, held[rank], exc)
-        if failure is not None:
-            self.error = failure
-            raise failure
+                failed.append((rank, engine, held.get(rank, []), exc))
+        if failed and not self.restart:
+            self.error = _root_failure([exc for *_, exc in failed])
+            raise self.error
+        if failed:
+            self._fail_over(failed)
         for request in changed:
             if request.is_finished:
                 self._owner.pop(request.req_id, None)
@@ -240,32 +251,55 @@ class DataParallelEngine:
         with self._lock:
             return [(rank, e) for rank, e in enumerate(self.replicas) if e is not None]
 
-    def _fail_over(self, rank: int, engine: Engine, held: list[Request],
-                   exc: BaseException) -> list[Request]:
-        """Take ``held`` back from the failed replica ``rank``, requeue it, rebuild the
-        replica; the requests that finished normally in the meantime (none) are returned."""
-        self.failover.failures += 1
-        self._note(f"DP rank {rank} failed ({type(exc).__name__}: "
-                   f"{str(exc).splitlines()[0] if str(exc) else ''}); "
-                   f"re-queueing {len(held)} request(s)")
+    def _unit(self, rank: int) -> tuple[int, ...]:
+        """The DP ranks that fail and restart with ``rank``: all of them in lockstep."""
+        return tuple(range(len(self.replicas))) if self.lockstep else (rank,)
+
+    def _fail_over(self, failed: list[tuple[int, Engine, list[Request], BaseException]]
+                   ) -> None:
+        """Take back the failed replicas' requests (``held``: what each held when
+        its step began), and in lockstep every other replica's too; requeue them,
+        shut those replicas down and rebuild them."""
+        now = time.monotonic()
+        down: list[tuple[int, Engine, list[Request]]] = []
+        for rank, engine, held, exc in failed:
+            self.failover.failures += 1
+            self._note(f"DP rank {rank} failed ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''})")
+            down.append((rank, engine, [r for r in held if not r.is_finished or (
+                r.finish_reason is FinishReason.ABORT and r.error is not None)]))
+        if self.lockstep:
+            taken = {rank for rank, *_ in down}
+            for rank, engine in self._live():
+                if rank in taken:
+                    continue
+                # a healthy member of the group: its requests come back unfinished
+                pending = [r for r in engine.scheduler.requests.values() if not r.is_finished]
+                engine.scheduler.abort_all()
+                down.append((rank, engine, pending))
+                self._note(f"DP rank {rank} is taken down with its expert parallel group")
+        units: set[tuple[int, ...]] = set()
+        moved: list[Request] = []
         with self._lock:
-            self.replicas[rank] = None
-        self._failed_at[rank] = time.monotonic()
-        moved = []
-        for request in held:
-            if request.is_finished and (request.finish_reason is not FinishReason.ABORT
-                                        or request.error is None):
-                continue  # it ended on its own (or the caller aborted it)
+            for rank, _, requests in down:
+                self.replicas[rank] = None
+                moved += requests
+                units.add(self._unit(rank))
+        for request in moved:
             _reset_for_recompute(request)
-            moved.append(request)
         self.failover.requeued_requests += len(moved)
+        self._note(f"re-queueing {len(moved)} request(s) of DP rank(s) "
+                   f"{sorted(rank for rank, *_ in down)}")
         with self._lock:
             self._orphans.extend(moved)
-        threading.Thread(target=engine.shutdown, name=f"mpexec-dp{rank}-teardown",
-                         daemon=True).start()
-        self._start_rebuild(rank)
+        for rank, engine, _ in down:
+            threading.Thread(target=engine.shutdown, name=f"mpexec-dp{rank}-teardown",
+                             daemon=True).start()
+        for unit in sorted(units):
+            self._failed_at[unit] = now
+            self.failover.timeline.append((now, unit, "failed"))
+            self._start_rebuild(unit)
         self._adopt_orphans()
-        return []
 
     def _adopt_orphans(self) -> None:
         with self._lock:
@@ -283,47 +317,56 @@ class DataParallelEngine:
             engine.scheduler.add_request(request)
             self._owner[request.req_id] = rank
 
-    def _start_rebuild(self, rank: int) -> None:
-        attempts = self._attempts.get(rank, 0)
+    def _start_rebuild(self, unit: tuple[int, ...]) -> None:
+        name = _ranks(unit)
+        attempts = self._attempts.get(unit, 0)
         if attempts >= self.max_restarts:
-            self._note(f"DP rank {rank}: {attempts} restarts failed; left down")
+            self._note(f"{name}: {attempts} restarts failed; left down")
             if not self._live():
-                self.error = RuntimeError(f"every data parallel replica is down (DP rank "
-                                          f"{rank} failed {attempts} restarts)")
+                self.error = RuntimeError(f"every data parallel replica is down ({name} "
+                                          f"failed {attempts} restarts)")
             return
-        self._attempts[rank] = attempts + 1
-        delay = self.backoff_s * (2 ** attempts)
-        thread = threading.Thread(target=self._rebuild, args=(rank, delay),
-                                  name=f"mpexec-dp{rank}-restart", daemon=True)
-        self._rebuilding[rank] = thread
+        self._attempts[unit] = attempts + 1
+        # The first restart starts at once (the failure is already behind it);
+        # the backoff only spaces out restarts that failed in turn.
+        delay = 0.0 if attempts == 0 else self.backoff_s * (2 ** (attempts - 1))
+        thread = threading.Thread(target=self._rebuild, args=(unit, delay),
+                                  name=f"mpexec-dp{unit[0]}-restart", daemon=True)
+        self._rebuilding[unit] = thread
         thread.start()
 
-    def _rebuild(self, rank: int, delay: float) -> None:
+    def _rebuild(self, unit: tuple[int, ...], delay: float) -> None:
         assert self.factory is not None
+        name = _ranks(unit)
         if self._closed.wait(delay):
             return
+        self.failover.timeline.append((time.monotonic(), unit, "rebuilding"))
         try:
-            engine = self.factory(rank)
+            engines = self.factory(list(unit))
         except BaseException as exc:
-            self._note(f"DP rank {rank}: restart failed ({type(exc).__name__}: {exc})")
-            self._rebuilding.pop(rank, None)
+            self._note(f"{name}: restart failed ({type(exc).__name__}: {exc})")
+            self._rebuilding.pop(unit, None)
             if not self._closed.is_set():
-                self._start_rebuild(rank)
+                self._start_rebuild(unit)
             return
         if self._closed.is_set():
-            engine.shutdown()
+            for engine in engines:
+                engine.shutdown()
             return
-        for listener in self._dead_listeners:
-            engine.add_dead_listener(listener)
+        for engine in engines:
+            for listener in self._dead_listeners:
+                engine.add_dead_listener(listener)
         with self._lock:
-            self.replicas[rank] = engine
-        self._rebuilding.pop(rank, None)
-        self._attempts[rank] = 0
+            for rank, engine in zip(unit, engines, strict=True):
+                self.replicas[rank] = engine
+        now = time.monotonic()
+        self.failover.timeline.append((now, unit, "serving"))
+        self._rebuilding.pop(unit, None)
+        self._attempts[unit] = 0
         self.failover.restarts += 1
-        elapsed = time.monotonic() - self._failed_at.get(rank, time.monotonic())
-        self.failover.recovery_s.append((rank, elapsed))
-        self._note(f"DP rank {rank} restarted and serving again {elapsed:.1f} s after "
-                   "its failure")
+        elapsed = now - self._failed_at.get(unit, now)
+        self.failover.recovery_s += [(rank, elapsed) for rank in unit]
+        self._note(f"{name} restarted and serving again {elapsed:.1f} s after its failure")
 
     def _note(self, message: str) -> None:
         self.failover.events.append(message)
@@ -346,6 +389,16 @@ class _Schedulers:
         self.running = [r for s in schedulers for r in s.running]
         self.waiting = [r for s in schedulers for r in s.waiting]
         self.blocks = _FreeBlocks(sum(s.blocks.num_free_blocks for s in schedulers))
+
+
+def _ranks(unit: tuple[int, ...]) -> str:
+    return f"DP rank {unit[0]}" if len(unit) == 1 else f"DP ranks {list(unit)}"
+
+
+def _root_failure(errors: list[BaseException]) -> BaseException:
+    """Of one step's failures, the one that names the cause: a worker that died
+    or hung (``WorkerDiedError``) before its peers' broken collectives."""
+    return next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
 
 
 def _dummy_step(engine: Engine) -> list[Request]:

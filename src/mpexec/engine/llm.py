@@ -140,10 +140,10 @@ class LLM:
         if dp > 1 and kv_transfer_config is not None:
             raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported")
         ep_across = enable_expert_parallel and dp > 1
-        if ep_across and (pipeline_parallel_size > 1 or async_scheduling or replica_restart):
+        if ep_across and (pipeline_parallel_size > 1 or async_scheduling):
             raise ValueError("enable_expert_parallel with data_parallel_size > 1 steps the "
-                             "replicas in lockstep: it needs pipeline_parallel_size=1, "
-                             "async_scheduling=False and replica_restart=False")
+                             "replicas in lockstep: it needs pipeline_parallel_size=1 and "
+                             "async_scheduling=False")
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
                                   decode_context_parallel_size=decode_context_parallel_size,
@@ -249,14 +249,20 @@ class LLM:
             if dp == 1 and not replica_restart:
                 self._engine = engines[0]
             else:
-                def rebuild(rank: int) -> Engine:
-                    config = replica_configs[rank]
-                    executor = Executor.get_class(config)(config)
+                def rebuild(ranks: list[int]) -> list[Engine]:
+                    # with experts across replicas: every replica, joined again
+                    started: list[Executor] = []
                     try:
-                        return Engine(executor, limits, eos, tokenizer=tokenizer,
-                                      vocab_size=self.vocab_size)
+                        for rank in ranks:
+                            config = replica_configs[rank]
+                            started.append(Executor.get_class(config)(config))
+                        if ep_across:
+                            _join_replicas(started, master_addr)
+                        return [Engine(executor, limits, eos, tokenizer=tokenizer,
+                                       vocab_size=self.vocab_size) for executor in started]
                     except BaseException:
-                        executor.shutdown()
+                        for executor in started:
+                            executor.shutdown()
                         raise
 
                 self._engine = DataParallelEngine(engines, restart=replica_restart,

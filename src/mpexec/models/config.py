@@ -35,7 +35,7 @@ from typing import Any
 from mpexec.models import arch_config
 from mpexec.models.arch_config import ArchFeatures
 from mpexec.models.errors import CheckpointError
-from mpexec.models.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_hf
+from mpexec.models.moe_config import MOE_MODEL_TYPES, MoEConfig, moe_from_gguf, moe_from_hf
 from mpexec.models.rope_scaling import normalize_rope_scaling
 
 # model_type of config.json ─► the architecture name the model uses.
@@ -45,7 +45,10 @@ _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
 _HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                      "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      *arch_config.HF_ARCHITECTURES}
-_GGUF_ARCHITECTURES = ("llama", "qwen2", *arch_config.GGUF_ARCHITECTURES)
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3moe",
+                       *arch_config.GGUF_ARCHITECTURES)
+# a GGUF architecture ─► the architecture the model uses (as _HF_MODEL_TYPES)
+_GGUF_MODEL_ARCHITECTURES = {"qwen2moe": "qwen2", "qwen3moe": "qwen3"}
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MAX_LAYERS = 4096
 
@@ -202,9 +205,8 @@ class ModelConfig:
         if arch not in _GGUF_ARCHITECTURES:
             raise CheckpointError(source, "general.architecture", f"{arch!r} is not supported "
                                   f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
-        if fields.get(f"{arch}.expert_count"):
-            raise CheckpointError(source, f"{arch}.expert_count",
-                                  "mixture-of-experts models are not supported")
+        moe = moe_from_gguf(fields, arch, source) if fields.get(f"{arch}.expert_count") \
+            else None
         hidden_size = field.get(f"{arch}.embedding_length", int)
         num_heads = field.get(f"{arch}.attention.head_count", int)
         num_kv_heads = field.get(f"{arch}.attention.head_count_kv", int, default=num_heads)
@@ -233,7 +235,7 @@ class ModelConfig:
                                "tokenizer.ggml.bos_token_id")
         return cls.validated(
             source,
-            architecture=arch,
+            architecture=_GGUF_MODEL_ARCHITECTURES.get(arch, arch),
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=field.get(f"{arch}.feed_forward_length", int),
@@ -246,13 +248,14 @@ class ModelConfig:
             rope_scaling=_gguf_rope_scaling(fields, arch, source, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=not has_output_tensor,
-            attention_bias=arch == "qwen2",
+            attention_bias=arch in ("qwen2", "qwen2moe"),
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,
             chat_template=fields.get("tokenizer.chat_template"),
             features=arch_config.features_from_gguf(
-                fields, arch, source, min(max(field.get(f"{arch}.block_count", int), 0),
-                                          MAX_LAYERS), head_dim),
+                fields, _GGUF_MODEL_ARCHITECTURES.get(arch, arch), source,
+                min(max(field.get(f"{arch}.block_count", int), 0), MAX_LAYERS), head_dim),
+            moe=moe,
         )
 
     # ── shared validation ────────────────────────────────────────────────

@@ -82,8 +82,13 @@ def load_moe_block(read: Reader, moe: MoEConfig, layer: int, share: ExpertShare,
                                read(s + "up_proj.weight", 0, *srows)]),
             down=read(s + "down_proj.weight", 1, *srows),
             gate=read(prefix + "shared_expert_gate.weight"))
+    bounds = None
+    if ep_group is not None:
+        bounds = [start for start, _ in split_evenly(moe.num_experts, ep_group.world_size)]
+        bounds.append(moe.num_experts)
     return MoEBlock(router=read(prefix + "gate.weight"), gate_up=torch.stack(gate_ups),
                     down=torch.stack(downs), expert_start=share.experts[0], top_k=moe.top_k,
                     renormalize=moe.norm_topk_prob,
                     group=ep_group if ep_group is not None else group, shared=shared,
-                    dp_group=dp_group, tp_group=group if ep_group is not None else None)
+                    dp_group=dp_group, tp_group=group if ep_group is not None else None,
+                    expert_bounds=bounds)

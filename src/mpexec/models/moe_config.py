@@ -1,4 +1,4 @@
-"""The mixture-of-experts part of a model's shape, read from config.json.
+"""The mixture-of-experts part of a model's shape, read from config.json or GGUF.
 
 Two checkpoint styles, both as transformers writes them (one tensor per expert)::
 
@@ -15,7 +15,16 @@ Routing is softmax over the experts, the top ``top_k`` kept, renormalised to
 sum to one when ``norm_topk_prob`` (always for Mixtral).  Qwen-style models
 may keep a dense MLP (``intermediate_size``, the usual ``mlp.*_proj`` names)
 on some layers: those in ``mlp_only_layers`` and those not on the
-``decoder_sparse_step`` grid.  Pure arithmetic, no torch.
+``decoder_sparse_step`` grid.
+
+GGUF (llama.cpp's converter) stores the same models as ``llama`` (Mixtral),
+``qwen2moe`` and ``qwen3moe`` with ``<arch>.expert_count``,
+``expert_used_count``, ``expert_feed_forward_length`` (else
+``feed_forward_length``) and ``expert_shared_feed_forward_length``; the file
+does not say whether the top-k weights are renormalised (llama.cpp decides
+by architecture: Mixtral and Qwen3-MoE yes, Qwen2-MoE no) unless it has
+``<arch>.expert_weights_norm``, and every layer is sparse.  Pure
+arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from mpexec.models.errors import CheckpointError
 
 # model_type ─► checkpoint style
 MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen_moe", "qwen3_moe": "qwen_moe"}
+# GGUF architecture ─► (checkpoint style, top-k weights renormalised)
+GGUF_MOE_ARCHITECTURES = {"llama": ("mixtral", True), "qwen2moe": ("qwen_moe", False),
+                          "qwen3moe": ("qwen_moe", True)}
 
 
 @dataclass(frozen=True)
@@ -125,3 +137,34 @@ def moe_from_hf(raw: Mapping[str, Any], model_type: str, source: str | Path,
                      moe_intermediate_size=intermediate, norm_topk_prob=norm,
                      shared_expert_intermediate_size=shared, decoder_sparse_step=step,
                      mlp_only_layers=dense_layers)
+
+
+def moe_from_gguf(fields: Mapping[str, Any], arch: str, source: str | Path) -> MoEConfig:
+    """The MoEConfig of a GGUF file whose ``<arch>.expert_count`` is set."""
+    if arch not in GGUF_MOE_ARCHITECTURES:
+        raise CheckpointError(source, f"{arch}.expert_count", "mixture-of-experts models of "
+                              f"architecture {arch!r} are not supported (supported: "
+                              f"{', '.join(GGUF_MOE_ARCHITECTURES)})")
+    style, norm = GGUF_MOE_ARCHITECTURES[arch]
+
+    def integer(key: str, default: int | None = None) -> int:
+        value = fields.get(f"{arch}.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(source, f"{arch}.{key}", f"expected an integer, got {value!r}")
+        return value
+
+    num_experts = integer("expert_count")
+    top_k = integer("expert_used_count")
+    intermediate = integer("expert_feed_forward_length", fields.get(
+        f"{arch}.feed_forward_length"))
+    shared = integer("expert_shared_feed_forward_length", 0)
+    norm = bool(fields.get(f"{arch}.expert_weights_norm", norm))
+    if not 1 <= top_k <= num_experts:
+        raise CheckpointError(source, f"{arch}.expert_used_count", f"{top_k} must be in "
+                              f"[1, {num_experts}] (the number of experts)")
+    if intermediate < 1 or shared < 0:
+        raise CheckpointError(source, f"{arch}.expert_feed_forward_length",
+                              "expert sizes must be positive")
+    return MoEConfig(style=style, num_experts=num_experts, top_k=top_k,
+                     moe_intermediate_size=intermediate, norm_topk_prob=norm,
+                     shared_expert_intermediate_size=shared)

@@ -330,6 +330,77 @@ def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32
     return path
 
 
+def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
+    """Write a transformers-saved Mixtral, Qwen2-MoE or Qwen3-MoE directory as GGUF
+    (float32), the way llama.cpp's converter writes them: Mixtral as ``llama``
+    (Q/K rows interleaved), the others as ``qwen2moe`` / ``qwen3moe``; each
+    layer's experts stacked into ``ffn_{gate,up,down}_exps`` ``[experts, rows,
+    columns]``, the router
+    ``ffn_gate_inp``, the shared expert ``ffn_*_shexp`` and its gate
+    ``ffn_gate_inp_shexp`` as a vector.  No tokenizer: for weight and output
+    tests.  Every layer must be sparse (GGUF has no ``mlp_only_layers``)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    parsed = ModelConfig.from_hf_dir(hf_dir)
+    moe = parsed.moe
+    if moe is None or not all(moe.is_sparse(n) for n in range(parsed.num_hidden_layers)):
+        raise ValueError(f"{hf_dir}: not a mixture-of-experts model with experts on every layer")
+    arch = {"llama": "llama", "qwen2": "qwen2moe", "qwen3": "qwen3moe"}[parsed.architecture]
+    tensors: dict[str, Any] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = parsed.head_dim
+    ints = {"context_length": parsed.max_position_embeddings,
+            "embedding_length": parsed.hidden_size, "block_count": parsed.num_hidden_layers,
+            "feed_forward_length": parsed.intermediate_size,
+            "attention.head_count": parsed.num_attention_heads,
+            "attention.head_count_kv": parsed.num_key_value_heads,
+            "attention.key_length": head_dim, "attention.value_length": head_dim,
+            "rope.dimension_count": head_dim, "vocab_size": parsed.vocab_size,
+            "expert_count": moe.num_experts, "expert_used_count": moe.top_k}
+    if arch != "llama":
+        ints["expert_feed_forward_length"] = moe.moe_intermediate_size
+        ints["expert_shared_feed_forward_length"] = moe.shared_expert_intermediate_size
+    for key, value in ints.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", parsed.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", parsed.rope_theta)
+    names = {hf: gguf_name for gguf_name, hf in _gguf_name_table(
+        parsed.num_hidden_layers).items()}
+    for layer in range(parsed.num_hidden_layers):
+        prefix = moe.prefix(layer)
+        for norm in ("q_norm", "k_norm"):  # Qwen3-MoE
+            names[f"model.layers.{layer}.self_attn.{norm}.weight"] = \
+                f"blk.{layer}.attn_{norm}.weight"
+        names[prefix + "gate.weight"] = f"blk.{layer}.ffn_gate_inp.weight"
+        for part, kind in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            names[f"{prefix}shared_expert.{part}.weight"] = f"blk.{layer}.ffn_{kind}_shexp.weight"
+        names[prefix + "shared_expert_gate.weight"] = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+        for which, kind in enumerate(("gate", "up", "down")):
+            stacked = np.stack([tensors.pop(moe.expert_names(layer, e)[which])
+                                for e in range(moe.num_experts)]).astype(np.float32)
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", stacked)
+    for hf, values in tensors.items():
+        name = names[hf]
+        values = values.astype(np.float32)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            values = values.reshape(-1)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = values.shape[0] // head_dim  # the converter's interleave, as above
+            values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
+                      .swapaxes(1, 2).reshape(values.shape))
+        writer.add_tensor(name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _gguf_name_table(layers: int) -> dict[str, str]:
     from mpexec.models.loader.gguf_file import hf_name
 

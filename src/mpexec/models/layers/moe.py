@@ -26,12 +26,27 @@ The shared expert is always split the tensor-parallel way over the same
 group, so its partial sum rides on the same all-reduce.
 
 Across data parallel replicas (``dp_group`` given, ``group`` the EP group
-of every replica's TP ranks): each replica has its own tokens, so they are
-first all-gathered over the DP group (every replica's rows, in DP order;
-an idle replica takes part with its one dummy token), every EP rank runs
-its experts on all of them, the EP all-reduce sums the contributions, and
-each replica keeps its own rows; the shared expert runs on the replica's
-own tokens with its own TP all-reduce.
+of every replica's TP ranks) each replica has its own tokens (an idle one
+takes part with its one dummy token); two ways to bring them to their
+experts and back (``dispatch``):
+
+- ``"all_to_all"`` (one TP rank per replica, so EP rank = DP rank): each
+  rank routes its own tokens and sends every (token, chosen expert) pair,
+  as the token's row plus the expert id, to the rank that holds the expert;
+  that rank runs its experts on what it received and sends the outputs back
+  in the order received; the sender weights them and sums them, rank by
+  rank.  Two collectives, each carrying only the routed rows;
+- ``"all_gather"`` (any TP size): the tokens are all-gathered over the DP
+  group (every replica's rows, in DP order), every EP rank runs its experts
+  on all of them, the EP all-reduce sums the contributions, and each
+  replica keeps its own rows.  Three collectives, the last one over every
+  replica's rows.
+
+``benchmarks/bench_moe_dispatch.py`` measures the two: at two ranks on one
+node they cost the same (the expert matmuls dominate); all_to_all is the
+default wherever it applies because its traffic does not grow with the
+number of replicas (docs/models.md).  The shared expert runs on the replica's own
+tokens with its own TP all-reduce.
 """
 
 from __future__ import annotations
@@ -58,7 +73,8 @@ class MoEBlock:
     def __init__(self, *, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  expert_start: int, top_k: int, renormalize: bool, group: ParallelGroup,
                  shared: SharedExpert | None = None, dp_group: ParallelGroup | None = None,
-                 tp_group: ParallelGroup | None = None) -> None:
+                 tp_group: ParallelGroup | None = None,
+                 expert_bounds: list[int] | None = None, dispatch: str = "all_to_all") -> None:
         self.router = router      # [E, H], every expert
         self.gate_up = gate_up    # [local experts, 2 * rows, H]
         self.down = down          # [local experts, H, rows]
@@ -70,6 +86,11 @@ class MoEBlock:
         self.shared = shared
         self.dp_group = dp_group  # set: experts split across replicas (module docstring)
         self.tp_group = tp_group  # the shared expert's group in that case
+        # EP rank r holds experts [expert_bounds[r], expert_bounds[r + 1])
+        self.expert_bounds = expert_bounds
+        if dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(f"dispatch must be 'all_to_all' or 'all_gather'; got {dispatch!r}")
+        self.dispatch = dispatch
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k ``(weights, expert ids)``, ``[T, k]`` each."""
@@ -107,6 +128,9 @@ class MoEBlock:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dp_group is not None and self.dp_group.world_size > 1:
+            if (self.dispatch == "all_to_all" and self.expert_bounds is not None
+                    and (self.tp_group is None or self.tp_group.world_size == 1)):
+                return self._all_to_all(hidden)
             return self._across_replicas(hidden, self.dp_group)
         weights, ids = self.route(hidden)
         out = self.local_experts(hidden, weights, ids)
@@ -130,3 +154,53 @@ class MoEBlock:
                 shared = self.tp_group.all_reduce(shared)
             mine = mine + shared
         return mine
+
+    def _all_to_all(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Dispatch each (token, expert) pair to the expert's rank, combine back."""
+        assert self.expert_bounds is not None
+        group = self.group
+        weights, ids = self.route(hidden)
+        bounds = torch.tensor(self.expert_bounds[1:-1], device=ids.device)
+        # (token, slot) pairs in the order of their owner rank, token order within
+        flat_ids = ids.reshape(-1)
+        owner = torch.bucketize(flat_ids, bounds, right=True)
+        order = torch.argsort(owner, stable=True)
+        splits = torch.bincount(owner, minlength=group.world_size).tolist()
+        token_idx = order // self.top_k
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        sent = torch.cat([hidden[token_idx].view(torch.uint8).reshape(-1, row_bytes),
+                          flat_ids[order].view(torch.uint8).reshape(-1, 8)], dim=1)
+        received, counts = group.all_to_all(sent, splits)
+        x = received[:, :row_bytes].contiguous().view(hidden.dtype)
+        expert = received[:, row_bytes:].contiguous().view(torch.int64).reshape(-1)
+        y = self._run_experts(x, expert - self.expert_start)
+        back, _ = group.all_to_all(y, counts)
+        # each rank's outputs summed apart, then rank by rank (the EP all-reduce's order)
+        weighted = back * weights.reshape(-1)[order, None]
+        partial = torch.zeros((group.world_size, *hidden.shape), dtype=hidden.dtype,
+                              device=hidden.device)
+        start = 0
+        for rank, count in enumerate(splits):
+            if count:
+                partial[rank].index_add_(0, token_idx[start:start + count],
+                                         weighted[start:start + count])
+            start += count
+        out = partial.sum(dim=0) if group.world_size > 2 else partial[0] + partial[1]
+        if self.shared is not None:
+            out = out + self.shared(hidden)
+        return out
+
+    def _run_experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs of local expert ``local[i]`` on row ``x[i]``, in row order."""
+        out = torch.empty_like(x)
+        order = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = order[start:start + count]
+            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            out[rows] = F.linear(F.silu(gate) * up, self.down[expert])
+            start += count
+        return out

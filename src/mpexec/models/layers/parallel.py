@@ -1,7 +1,8 @@
 """The slice of a process group that the layers use, and a one-rank stand-in.
 
 Layers only call ``all_reduce`` and ``all_gather`` on their tensor-parallel
-group and read ``world_size``/``rank_in_group``; any object with those
+group (and the MoE layer ``all_to_all`` on its expert-parallel group) and
+read ``world_size``/``rank_in_group``; any object with those
 members will do (``mpexec.distributed``'s ``GroupCoordinator`` in a worker,
 :class:`SingleRankGroup` when one process holds the whole model, a threaded
 fake in tests).  With one rank every collective is the identity, and the
@@ -23,6 +24,9 @@ class ParallelGroup(Protocol):
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
+    def all_to_all(self, tensor: torch.Tensor,
+                   splits: list[int]) -> tuple[torch.Tensor, list[int]]: ...
+
 
 class SingleRankGroup:
     """A group of one: every collective returns its input."""
@@ -37,6 +41,10 @@ class SingleRankGroup:
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return tensor
+
+    def all_to_all(self, tensor: torch.Tensor,
+                   splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return tensor, list(splits)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor

@@ -16,6 +16,14 @@ rotary halves of every Q and K head (row ``h·d + 2i + j`` of the file is row
 ``h·d + j·d/2 + i`` of the Hugging Face tensor) for the ``llama``
 architecture; a read of Q or K rows takes whole heads and undoes it.
 
+Mixture-of-experts files stack each projection of a layer's experts into
+one tensor (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``,
+torch shape ``[experts, rows, columns]``); expert e's rows are contiguous,
+so each expert is read as a tensor of its own at an offset
+(``model.layers.N.block_sparse_moe.experts.e.w1`` …, ``moe_config``).  The
+router is ``ffn_gate_inp``, Qwen2-MoE's shared expert ``ffn_*_shexp`` and
+its gate ``ffn_gate_inp_shexp`` (a vector in the file, ``[1, H]`` here).
+
 Every check that can fail is done at open: the magic and header, that
 each tensor's bytes lie inside the file, its type is one we decode, and it has
 the shape the metadata implies.
@@ -69,8 +77,21 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES,
                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
                      "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Mixture of experts: the router and (Qwen2-MoE) the shared expert; the
+# experts themselves are stacked, one tensor per projection (_STACKED_EXPERTS).
+_QWEN_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp.weight": "mlp.gate.weight",
+                         "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                         "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                         "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                         "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
-                     "phi3": _PHI3_LAYER_NAMES}
+                     "phi3": _PHI3_LAYER_NAMES,
+                     "llama": {**_LAYER_NAMES,
+                               "ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},
+                     "qwen2moe": _QWEN_MOE_LAYER_NAMES, "qwen3moe": _QWEN_MOE_LAYER_NAMES}
+# blk.N.<name>: [experts, rows, columns], expert e's rows contiguous ─► (gate, up, down) index
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1,
+                    "ffn_down_exps.weight": 2}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -111,9 +132,11 @@ class GGUFCheckpoint(Checkpoint):
         self._norm_shift = 0.0
         self._rope_freqs: TensorEntry | None = None
         arch = self._fields.get("general.architecture")
-        found = self._scan_tensors(path, header.tensors, str(arch))
+        stacked: list[tuple[int, int, _TensorInfo]] = []
+        found = self._scan_tensors(path, header.tensors, str(arch), stacked)
         config = ModelConfig.from_gguf_fields(self._fields, source=path,
                                               has_output_tensor="lm_head.weight" in found)
+        self._split_experts(path, config, stacked, found)
         if self._rope_freqs is not None:
             config = self._with_rope_freqs(path, config, self._rope_freqs)
         layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
@@ -154,16 +177,41 @@ class GGUFCheckpoint(Checkpoint):
                                        rope_freq_factors=tuple(float(f) for f in factors))
         return dataclasses.replace(config, features=features)
 
-    def _scan_tensors(self, path: Path, tensors: list[TensorEntry],
-                      arch: str) -> dict[str, tuple[int, ...]]:
+    def _split_experts(self, path: Path, config: ModelConfig,
+                       stacked: list[tuple[int, int, _TensorInfo]],
+                       found: dict[str, tuple[int, ...]]) -> None:
+        """Each stacked expert tensor as one tensor per expert, under the names of
+        a transformers checkpoint (expert e's rows follow expert e - 1's)."""
+        if stacked and config.moe is None:
+            raise CheckpointError(path, stacked[0][2].gguf_name, "expert tensors in a model "
+                                  "without <arch>.expert_count")
+        for layer, which, info in stacked:
+            assert config.moe is not None
+            experts = config.moe.num_experts
+            if info.rows % experts:
+                raise CheckpointError(path, info.gguf_name, f"{info.rows} rows are not "
+                                      f"{experts} experts' (expert_count)")
+            rows = info.rows // experts
+            for expert in range(experts):
+                name = config.moe.expert_names(layer, expert)[which]
+                self._infos[name] = _TensorInfo(info.gguf_name, info.encoding,
+                                                info.offset + expert * rows * info.row_bytes,
+                                                rows, info.columns)
+                found[name] = (rows, info.columns)
+
+    def _scan_tensors(self, path: Path, tensors: list[TensorEntry], arch: str,
+                      stacked: list[tuple[int, int, _TensorInfo]]
+                      ) -> dict[str, tuple[int, ...]]:
         file_size = len(self._data)
         found: dict[str, tuple[int, ...]] = {}
         for tensor in tensors:
             if tensor.name == "rope_freqs.weight":
                 self._rope_freqs = tensor
                 continue
+            match = _LAYER.fullmatch(tensor.name)
+            which = _STACKED_EXPERTS.get(match.group(2)) if match else None
             name = hf_name(tensor.name, arch)
-            if name is None:
+            if name is None and which is None:
                 continue
             encoding = encoding_of(tensor.ggml_type)
             if encoding is None:
@@ -184,6 +232,16 @@ class GGUFCheckpoint(Checkpoint):
             if info.offset + rows * info.row_bytes > file_size:
                 raise CheckpointError(path, tensor.name, f"tensor data runs past the end of the "
                                       f"file ({file_size} bytes): the file is truncated")
+            if which is not None:
+                assert match is not None
+                if len(shape) != 3:
+                    raise CheckpointError(path, tensor.name, f"dimensions {list(tensor.ne)}: "
+                                          "expected [columns, rows, experts]")
+                stacked.append((int(match.group(1)), which, info))
+                continue
+            assert name is not None
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+                shape = (1, columns)  # llama.cpp stores this [1, H] weight as a vector
             self._infos[name] = info
             found[name] = shape
         return found
