@@ -1,4 +1,4 @@
-"""A follower node as one of the leader's worker handles (see ``cluster``).
+"""A follower node as one of the leader's worker handles (see ``leader``).
 
 The lifecycle and the failure table talk to workers only through the
 ``WorkerHandle`` protocol (``launcher``); a follower node answers it for all
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from mpexec.ipc import Handle
 
 if TYPE_CHECKING:
-    from mpexec.executor.nodewire import Session
+    from mpexec.executor.nodes.wire import Session
 
 
 class NodeServerLink(Protocol):
@@ -41,7 +41,7 @@ class RemoteNodeHandle:
         self.identity: bytes | None = None
         self.session: Session | None = None
         self.reply_handles: dict[int, Handle] = {}
-        # (when, the monitor's lateness then): see nodewire.Liveness
+        # (when, the monitor's lateness then): see wire.Liveness
         self.heard: tuple[float, float] = (time.monotonic(), 0.0)
         self.how = ""
         self.remote_traceback = ""  # of the worker whose failure the node reported

@@ -1,6 +1,6 @@
 """The leader's side of an executor spanning several nodes.
 
-The protocol is drawn in ``nodewire``.  :class:`NodeServer` binds the node
+The protocol is drawn in ``wire``.  :class:`NodeServer` binds the node
 control socket at ``master_addr:master_port``; from ``admit`` on, one thread
 (the node monitor) owns that socket: it answers every follower's JOIN with
 its CONFIG, records the reply-queue handles each READY brings, and runs the
@@ -32,10 +32,10 @@ import cloudpickle
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError
-from mpexec.executor.launch import wait_for_ready
 from mpexec.executor.launcher import WorkerHandle
-from mpexec.executor.node_handle import RemoteNodeHandle
-from mpexec.executor.nodewire import (
+from mpexec.executor.local.ready import wait_for_ready
+from mpexec.executor.nodes.handle import RemoteNodeHandle
+from mpexec.executor.nodes.wire import (
     NONCE,
     Liveness,
     NodeAssignment,

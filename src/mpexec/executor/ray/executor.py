@@ -2,9 +2,9 @@
 
 ::
 
-    driver (RayExecutor)                          actor r (ray_actor.RayWorkerActor)
+    driver (RayExecutor)                          actor r (actor.RayWorkerActor)
     --------------------                          ----------------------------------
-    RaySession.open, place_workers (ray_cluster)
+    RaySession.open, place_workers (cluster)
     actor r created in bundle r  ------------->   start(): worker_cls(context), init_device,
                                                   load_model (+ queues on the "shm" path)
     wait_exit() in group "supervise" ------->     blocks while the actor lives
@@ -18,11 +18,11 @@ Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
     queue, exactly as for worker processes (``serve()`` runs WorkerProc's
     busy loop).  Actors on the driver's Ray node read shared memory, actors
     on other Ray nodes the same queues over the network (remote readers,
-    authenticated with a per-executor secret; see ``ray_queues``).
+    authenticated with a per-executor secret; see ``queues``).
 ``"ray"``
     each call is one ``actor.execute.remote(call)`` per actor (the call
     ``ray.put`` once when there are several actors) and each reply is read
-    with ``ray.get`` (``ray_replies``); works wherever the actors are.
+    with ``ray.get`` (``replies``); works wherever the actors are.
 
 Either way the calls in flight are the same ``CallOrder`` as for
 MultiprocExecutor (only the reply reader differs), so ordering, deadlines,
@@ -50,20 +50,20 @@ from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError, WorkerStartupError
+from mpexec.executor.driver import Driver
 from mpexec.executor.futures import CallOrder
-from mpexec.executor.launch import handshake
+from mpexec.executor.handshake import handshake
 from mpexec.executor.lifecycle import Lifecycle, State
-from mpexec.executor.multiproc import MultiprocExecutor
-from mpexec.executor.ray_actor import SUPERVISE_GROUP, RayWorkerActor
-from mpexec.executor.ray_cluster import (
+from mpexec.executor.ray.actor import SUPERVISE_GROUP, RayWorkerActor
+from mpexec.executor.ray.cluster import (
     RaySession,
     actor_runtime_env,
     bundles_for,
     place_workers,
     remove_group,
 )
-from mpexec.executor.ray_queues import broadcast_queue, plan_queues, reply_queue
-from mpexec.executor.ray_replies import RayReplies
+from mpexec.executor.ray.queues import broadcast_queue, plan_queues, reply_queue
+from mpexec.executor.ray.replies import RayReplies
 from mpexec.executor.spec import PortReservation, worker_contexts
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class RayWorkerHandle:
         return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
 
 
-class RayExecutor(MultiprocExecutor):
+class RayExecutor(Driver):
     """The executor interface on Ray; see the module docstring."""
 
     supports_pp = True
