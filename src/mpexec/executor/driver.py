@@ -50,7 +50,7 @@ from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
 from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall
-from mpexec.executor.launcher import WorkerHandle
+from mpexec.executor.launcher import WatchedWorker
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.protocol import Reply, aggregate_replies, decode_replies
 from mpexec.executor.pump import ReplyPump
@@ -66,8 +66,6 @@ from mpexec.outputs import KVOutputAggregator
 # drains replies and tries again (see the module docstring).
 _FIRST_ENQUEUE_WAIT_S = 0.0001
 _MAX_ENQUEUE_WAIT_S = 0.005
-# A closed queue whose worker is still alive: how long to wait for it to exit.
-_DYING_WAIT_S = 1.0
 
 
 class Driver(Executor):
@@ -89,7 +87,7 @@ class Driver(Executor):
             # for the traceparent that travels with it.
             self.collective_rpc = self._traced_collective_rpc  # type: ignore[method-assign]
             self._broadcast = self._traced_broadcast  # type: ignore[method-assign]
-        self.workers: list[WorkerHandle] = self.lifecycle.handles
+        self.workers: list[WatchedWorker] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
         self.shared_worker_lock: Any = None
@@ -171,7 +169,7 @@ class Driver(Executor):
         else:
             self.lifecycle.start_monitor()
 
-    def _handle(self, rank: int) -> WorkerHandle:
+    def _handle(self, rank: int) -> WatchedWorker:
         return self.workers[rank - self._start_rank]
 
     def _pid_of(self, rank: int) -> int:
@@ -191,19 +189,18 @@ class Driver(Executor):
             # time): unusable all the same, the error says what it did, and no
             # monitor will see a death to tear down after.
             lives = handle.is_alive()
-            how = f"{handle.name} closed its queue ({exc})" if lives and handle.pid is None else ""
+            how = f"closed its queue ({exc})" if lives else ""
             life.worker_gone(handle, how, teardown=not self.monitor_workers or lives)
         return life.closed_error()
 
-    def _dying_wait_s(self, handle: WorkerHandle) -> float:
-        """How long ``handle``'s death may trail its queue closing: a moment."""
-        return _DYING_WAIT_S
 
-    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WorkerHandle | None:
+    def _dead_worker(self, rank: int | None, exc: QueueClosedError) -> WatchedWorker | None:
         if rank is None:
             rank = closing_rank(exc, self._start_rank)
         candidates = self.workers if rank is None else [self._handle(rank)]
-        gone = first_gone(candidates, max(map(self._dying_wait_s, candidates), default=0.0))
+        # A follower node's or a remote actor's queues close well before its
+        # death is known: each handle says how long that may take.
+        gone = first_gone(candidates, max((h.death_lag_s for h in candidates), default=0.0))
         # A rank that closed its queue yet is still there: unusable all the same.
         return candidates[0] if gone is None and rank is not None else gone
 

@@ -29,8 +29,8 @@ from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError
 from mpexec.executor.driver import Driver
 from mpexec.executor.handshake import handshake
-from mpexec.executor.launcher import WorkerHandle
-from mpexec.executor.local.launcher import LocalProcessLauncher
+from mpexec.executor.launcher import WatchedWorker
+from mpexec.executor.local.launcher import LocalProcessLauncher, LocalWorkerHandle
 from mpexec.executor.nodes.handle import RemoteNodeHandle
 from mpexec.executor.nodes.leader import (
     NodeServer,
@@ -89,12 +89,13 @@ class MultiprocExecutor(Driver):
         handle = mq.export_handle()
         stall = life.stall = StallWatch(self.local_world_size, config.worker_stall_timeout_s,
                                         config.worker_stopped_timeout_s)
+        local_handles: list[LocalWorkerHandle] = []
         for spec_for in spec_factories(config, contexts, handle, stall.ref(), stall.beat_s):
-            life.handles.append(launcher.start(spec_for))
+            local_handles.append(launcher.start(spec_for))
+            life.handles.append(local_handles[-1])
         # Every worker exists before we wait for any: a real worker's
         # init_device joins a collective with all of its peers (followers'
         # included: they get their configuration before we wait).
-        local_handles = list(life.handles)
         cluster = self.cluster
         if cluster is not None:
             self._remote_handles = admit_followers(cluster, life.handles, config, handle,
@@ -120,19 +121,12 @@ class MultiprocExecutor(Driver):
 
     # -- failure -------------------------------------------------------------------
 
-    def _handle(self, rank: int) -> WorkerHandle:
+    def _handle(self, rank: int) -> WatchedWorker:
         remote = self._remote_handles.get(rank)
         if remote is not None:
             return remote  # a follower node's handle
         return super()._handle(rank)
 
-    def _dying_wait_s(self, handle: WorkerHandle) -> float:
-        """A follower node's queues close before it is declared lost: wait for
-        the node monitor's verdict."""
-        wait = super()._dying_wait_s(handle)
-        if isinstance(handle, RemoteNodeHandle):
-            return max(wait, self.death_verdict_s)
-        return wait
 
 
 def _lost_or_stalled(stalled: Callable[[], None],

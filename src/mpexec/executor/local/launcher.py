@@ -24,7 +24,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
 from mpexec.errors import describe_exitcode
-from mpexec.executor.launcher import SpecFactory
+from mpexec.executor.launcher import SpecFactory, WorkerExit
 from mpexec.executor.worker_proc import worker_main
 from mpexec.system import kill_process_group, open_pidfd
 from mpexec.system.start import serialize_exit_status
@@ -32,10 +32,19 @@ from mpexec.system.start import serialize_exit_status
 logger = logging.getLogger(__name__)
 
 _EXITCODE_WAIT_S = 1.0
+# A closed queue whose worker is still alive: how long to wait for it to exit.
+_DEATH_LAG_S = 1.0
 
 
 class LocalWorkerHandle:
-    """A worker running as a local ``multiprocessing`` process."""
+    """A worker running as a local ``multiprocessing`` process.
+
+    Beyond ``WatchedWorker`` it has what only a local process has: its
+    ready pipe (``ready_conn``, read by ``ready.wait_for_ready``) and its
+    exit code.
+    """
+
+    death_lag_s = _DEATH_LAG_S
 
     def __init__(self, rank: int, proc: BaseProcess, ready_conn: Connection,
                  death_writer: Connection) -> None:
@@ -90,8 +99,10 @@ class LocalWorkerHandle:
         self.join(timeout)
         return self.exitcode
 
-    def describe_exit(self) -> str:
-        return describe_exitcode(self.exitcode)
+    def describe_exit(self) -> WorkerExit:
+        exitcode = self.wait_exitcode()
+        return WorkerExit(self.rank, self._pid, exitcode, describe_exitcode(exitcode),
+                          who=f"worker rank {self.rank} (pid {self._pid})")
 
     def close_ready(self) -> None:
         if self._ready is not None:

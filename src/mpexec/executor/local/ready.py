@@ -18,18 +18,19 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from mpexec.errors import WorkerStartupError
-from mpexec.executor.launcher import WorkerHandle
+from mpexec.executor.launcher import WatchedWorker
+from mpexec.executor.local.launcher import LocalWorkerHandle
 from mpexec.executor.protocol import Ready, StartupFailed
 
 
-def _died(handle: WorkerHandle, when: str) -> WorkerStartupError:
-    handle.wait_exitcode()
+def _died(handle: LocalWorkerHandle, when: str) -> WorkerStartupError:
+    exit = handle.describe_exit()
     return WorkerStartupError(
-        f"worker rank {handle.rank} (pid {handle.pid}) exited {when} ({handle.describe_exit()})",
+        f"worker rank {handle.rank} (pid {handle.pid}) exited {when} ({exit.how})",
         rank=handle.rank)
 
 
-def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
+def _failed(handle: LocalWorkerHandle, message: StartupFailed) -> WorkerStartupError:
     failure = message.failure
     error = WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) failed during start-up with "
@@ -39,8 +40,8 @@ def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
     return error
 
 
-def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: float, *,
-                   watch: Sequence[WorkerHandle] = (), tick: Callable[[], None] | None = None,
+def wait_for_ready(handles: Sequence[LocalWorkerHandle], deadline: float, timeout_s: float,
+                   *, watch: Sequence[WatchedWorker] = (), tick: Callable[[], None] | None = None,
                    tick_s: float = 0.05) -> list[Ready]:
     """Every worker's ``Ready``, in local-rank order; ``WorkerStartupError`` otherwise.
 
@@ -51,7 +52,7 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
     while waiting (a follower keeps its heartbeat going); what it raises
     ends the wait.
     """
-    pipes: dict[Connection, WorkerHandle] = {}
+    pipes: dict[Connection, LocalWorkerHandle] = {}
     for h in handles:
         assert h.ready_conn is not None
         pipes[h.ready_conn] = h
@@ -73,11 +74,10 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
             for obj in signalled:
                 lost = watched.get(obj) if isinstance(obj, int) else None
                 if lost is not None:
-                    rank = getattr(lost, "failed_rank", None)
-                    raise WorkerStartupError(
-                        f"{lost.describe_exit()} (during start-up)",
-                        rank=lost.rank if rank is None else rank,
-                        remote_traceback=getattr(lost, "remote_traceback", ""))
+                    exit = lost.describe_exit()
+                    raise WorkerStartupError(f"{exit.sentence()} (during start-up)",
+                                             rank=exit.rank,
+                                             remote_traceback=exit.remote_traceback)
             # Pipes first: a worker that reported a failure and exited shows
             # up on both, and its message is the better explanation.
             for obj in signalled:
@@ -96,7 +96,7 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
                     raise WorkerStartupError(
                         f"worker rank {handle.rank} sent {type(message).__name__} instead "
                         "of Ready", rank=handle.rank)
-                ready[handles.index(handle)] = message
+                ready[list(handles).index(handle)] = message
             for obj in signalled:
                 handle = deaths.get(obj) if isinstance(obj, int) else None
                 conn = None if handle is None else handle.ready_conn

@@ -43,7 +43,7 @@ from typing import Any
 from mpexec.config import ExecutorConfig
 from mpexec.errors import NodeLayoutError, NodeVersionError, WorkerStartupError
 from mpexec.executor.lifecycle import Lifecycle
-from mpexec.executor.local.launcher import LocalProcessLauncher
+from mpexec.executor.local.launcher import LocalProcessLauncher, LocalWorkerHandle
 from mpexec.executor.local.ready import wait_for_ready
 from mpexec.executor.nodes.wire import (
     LAYOUT_REFUSED,
@@ -285,11 +285,11 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
     client.start_heartbeat(config.node_heartbeat_s, config.node_timeout_s)
     try:
         try:
-            _start_workers(life, config, assignment, secret, bind_addr)
+            workers = _start_workers(life, config, assignment, secret, bind_addr)
             deadline = time.monotonic() + config.startup_timeout_s
             # The heartbeat runs during start-up too: the leader would call
             # this node lost after node_timeout_s, however long loading takes.
-            ready = wait_for_ready(life.handles, deadline, config.startup_timeout_s,
+            ready = wait_for_ready(workers, deadline, config.startup_timeout_s,
                                    tick=_StartupBeat(client, stop), tick_s=_POLL_S)
         except WorkerStartupError as exc:
             rank = "" if exc.rank is None else str(exc.rank)
@@ -308,7 +308,7 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
         client.send(READY, [pickle.dumps({m.rank: m.reply_handle for m in ready})])
         logger.info("node %d: ranks %s ready", client.node_rank,
                     [h.rank for h in life.handles])
-        return _watch(client, config, life, stop)
+        return _watch(client, config, life, workers, stop)
     finally:
         life.close()
 
@@ -336,24 +336,26 @@ class _StartupBeat:
 
 
 def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
-                   secret: str, bind_addr: str) -> None:
+                   secret: str, bind_addr: str) -> list[LocalWorkerHandle]:
     context = get_mp_context(maybe_force_spawn(config.mp_start_method))
     launcher = LocalProcessLauncher(context)
     contexts = worker_contexts(config, assignment.distributed_init_method)
+    workers: list[LocalWorkerHandle] = []
     for spec_for in spec_factories(config, contexts, assignment.broadcast_handle,
                                    reply_connect_ip=bind_addr, cluster_secret=secret):
-        life.handles.append(launcher.start(spec_for))
+        workers.append(launcher.start(spec_for))
+        life.handles.append(workers[-1])
+    return workers
 
 
 def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
-           stop: threading.Event) -> int:
+           workers: list[LocalWorkerHandle], stop: threading.Event) -> int:
     while True:
         # Exit code 0 is a worker leaving because the leader closed the
         # broadcast queue: the leader's BYE is on its way.
-        dead = next((h for h in life.handles if not h.is_alive() and h.exitcode != 0), None)
+        dead = next((h for h in workers if not h.is_alive() and h.exitcode != 0), None)
         if dead is not None:
-            what = (f"worker rank {dead.rank} (pid {dead.pid}) died: "
-                    f"{dead.describe_exit()}")
+            what = dead.describe_exit().sentence()
             logger.error("node %d: %s", client.node_rank, what)
             client.send(FAILED, [what.encode()])
             return 1

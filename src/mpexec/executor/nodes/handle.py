@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from mpexec.executor.launcher import WorkerExit
 from mpexec.ipc import Handle
 
 if TYPE_CHECKING:
@@ -33,8 +34,12 @@ class NodeServerLink(Protocol):
 class RemoteNodeHandle:
     """A follower node, as one entry among the lifecycle's worker handles."""
 
-    def __init__(self, server: NodeServerLink, node_rank: int, ranks: range) -> None:
+    def __init__(self, server: NodeServerLink, node_rank: int, ranks: range,
+                 death_lag_s: float) -> None:
         self.server = server
+        # Its queues close before the node monitor declares it lost: how
+        # long a caller waits for that verdict.
+        self.death_lag_s = death_lag_s
         self.node_rank = node_rank
         self.ranks = ranks
         self.rank = ranks.start
@@ -57,15 +62,7 @@ class RemoteNodeHandle:
 
     @property
     def pid(self) -> int | None:
-        return None
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    @property
-    def ready_conn(self) -> None:
-        return None
+        return None  # its workers' processes are on the follower
 
     @property
     def death_fd(self) -> int:
@@ -91,14 +88,10 @@ class RemoteNodeHandle:
     def join(self, timeout: float | None) -> None:
         self.gone.wait(timeout)
 
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.how or f"{self.name} ended"
-
-    def close_ready(self) -> None:
-        pass
+    def describe_exit(self) -> WorkerExit:
+        rank = self.rank if self.failed_rank is None else self.failed_rank
+        return WorkerExit(rank, None, None, self.how or f"{self.name} ended",
+                          remote_traceback=self.remote_traceback)
 
     def close_death_pipe(self) -> None:
         self.server.request_bye(self)

@@ -53,6 +53,7 @@ from mpexec.errors import QueueClosedError, WorkerStartupError
 from mpexec.executor.driver import Driver
 from mpexec.executor.futures import CallOrder
 from mpexec.executor.handshake import handshake
+from mpexec.executor.launcher import WorkerExit
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.ray.actor import SUPERVISE_GROUP, RayWorkerActor
 from mpexec.executor.ray.cluster import (
@@ -69,20 +70,22 @@ from mpexec.executor.spec import PortReservation, worker_contexts
 logger = logging.getLogger(__name__)
 
 _WATCH_SLICE_S = 0.2
+_DEATH_LAG_S = 1.0
 _CAUSE_WAIT_S = 1.0
 
 
 class RayWorkerHandle:
-    """One actor as the lifecycle sees a worker (``launcher.WorkerHandle``)."""
+    """One actor as the lifecycle sees a worker (``launcher.WatchedWorker``)."""
 
-    exitcode = None
-    ready_conn = None
-    death_fd = -1
+    death_fd = -1  # the actor watcher (``_RayState``) sees its death instead
 
-    def __init__(self, ray: Any, rank: int, actor: Any) -> None:
+    def __init__(self, ray: Any, rank: int, actor: Any, driver_node: str,
+                 remote_lag_s: float) -> None:
         self.ray = ray
         self.rank = rank
         self.actor = actor
+        self.driver_node = driver_node
+        self.remote_lag_s = remote_lag_s
         self.liveness = actor.wait_exit.options(concurrency_group=SUPERVISE_GROUP).remote()
         self.pid: int | None = None
         self.node_id = "?"
@@ -90,6 +93,14 @@ class RayWorkerHandle:
     @property
     def name(self) -> str:
         return f"RayWorker-{self.rank}"
+
+    @property
+    def death_lag_s(self) -> float:
+        """An actor on another Ray node closes its queues before Ray reports it
+        (or its node) gone: as long as a follower node's verdict."""
+        if self.node_id in ("?", self.driver_node):
+            return _DEATH_LAG_S
+        return max(_DEATH_LAG_S, self.remote_lag_s)
 
     def is_alive(self) -> bool:
         ready, _ = self.ray.wait([self.liveness], timeout=0)
@@ -128,14 +139,9 @@ class RayWorkerHandle:
     def join(self, timeout: float | None) -> None:
         self.ray.wait([self.liveness], timeout=timeout)
 
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.why_gone()
-
-    def close_ready(self) -> None:
-        pass
+    def describe_exit(self) -> WorkerExit:
+        return WorkerExit(self.rank, self.pid, None, self.why_gone(),
+                          who=f"worker rank {self.rank} (pid {self.pid})")
 
     def close_death_pipe(self) -> None:
         self.kill()  # an actor has no death pipe: ending it is the message
@@ -160,6 +166,7 @@ class RayExecutor(Driver):
         self.call_path = config.ray_call_path
         self.session: RaySession | None = None
         self.placement_group: Any = None
+        self.actors: list[RayWorkerHandle] = []
         self._ray_state = _RayState(config)
         super().__init__(config, monitor_workers)
 
@@ -214,14 +221,15 @@ class RayExecutor(Driver):
         # The driver's code directories, so that its worker class imports there too.
         runtime_env = actor_runtime_env(session)
         extra: dict[str, Any] = {} if runtime_env is None else {"runtime_env": runtime_env}
-        handles: list[RayWorkerHandle] = []
+        handles = self.actors
+        remote_lag_s = config.node_timeout_s + 2 * config.node_heartbeat_s
         for ctx in worker_contexts(config, life.port.init_method):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
             actor = actor_cls.options(scheduling_strategy=strategy, **extra).remote(
                 ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
                 os.getpriority(os.PRIO_PROCESS, 0))
-            handles.append(RayWorkerHandle(ray, ctx.rank, actor))
+            handles.append(RayWorkerHandle(ray, ctx.rank, actor, session.node_id, remote_lag_s))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
                                       runtime_env)
@@ -252,27 +260,17 @@ class RayExecutor(Driver):
     def death_verdict_s(self) -> float:
         """Actors on several Ray nodes: as long as for multi-node mp's nodes."""
         session = self.session
-        if session is None or all(getattr(h, "node_id", "?") in ("?", session.node_id)
-                                  for h in self.workers):
+        if session is None or all(h.node_id in ("?", session.node_id) for h in self.actors):
             return super().death_verdict_s
         config = self.config
         return config.node_timeout_s + 2 * config.node_heartbeat_s
-
-    def _dying_wait_s(self, handle: Any) -> float:
-        """An actor on another Ray node closes its queues before Ray reports it
-        (or its node) gone: wait as long as for a follower node's verdict."""
-        wait = super()._dying_wait_s(handle)
-        session = self.session
-        if session is not None and getattr(handle, "node_id", "?") not in ("?", session.node_id):
-            wait = max(wait, self.death_verdict_s)
-        return wait
 
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle: Any = self._dead_worker(rank, exc)
             if handle is not None:
-                life.worker_gone(handle, handle.why_gone())
+                life.worker_gone(handle)
         return life.closed_error()
 
     # -- calls ----------------------------------------------------------------------
@@ -382,7 +380,7 @@ class _RayState:
                 ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
                 if ready:
                     handle = by_ref[ready[0]]
-                    if life.worker_died(handle, handle.why_gone()):
+                    if life.worker_died(handle):
                         life.fire_callbacks()
                         life.teardown()
                     return
