@@ -127,6 +127,16 @@ class Lifecycle:
                 self.state = State.READY
                 self.usable = True
 
+    def begin_close(self) -> bool:
+        """The first step of an orderly end: CLOSED (unless FAILED), unusable;
+        True if it was READY (its workers may still run their own shutdown)."""
+        with self.lock:
+            orderly = self.state is State.READY
+            self.usable = False
+            if self.state is not State.FAILED:
+                self.state = State.CLOSED
+        return orderly
+
     def closed_error(self) -> Exception:
         """What a call sees once the executor is no longer usable: after a
         failure, a ``WorkerDiedError`` in the first one's words, with it as
@@ -259,10 +269,7 @@ class Lifecycle:
         """The orderly end: shutdown(), a failed start, interpreter exit, GC."""
         if os.getpid() != self.owner_pid:
             return  # a forked copy must not touch the parent's workers
-        with self.lock:
-            self.usable = False
-            if self.state is not State.FAILED:
-                self.state = State.CLOSED
+        self.begin_close()
         self.teardown()
 
     def teardown(self) -> None:

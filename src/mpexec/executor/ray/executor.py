@@ -8,7 +8,8 @@
     actor r created in bundle r  ------------->   start(): worker_cls(context), init_device,
                                                   load_model (+ queues on the "shm" path)
     wait_exit() in group "supervise" ------->     blocks while the actor lives
-    watcher thread: ray.wait(liveness refs)       (resolves with an error when it dies)
+    death watch: ray.wait(liveness refs)          (resolves with an error when it dies)
+      -> the handle's death pipe -> the lifecycle's monitor (as for a pidfd)
 
 Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
 
@@ -26,13 +27,15 @@ Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
 
 Either way the calls in flight are the same ``CallOrder`` as for
 MultiprocExecutor (only the reply reader differs), so ordering, deadlines,
-``non_block`` futures, typed ``WorkerError`` and stats are the same code;
-and the actors are ``WorkerHandle``s of the same ``Lifecycle``, so failure
-and teardown follow the same table.  A dead actor (killed, its node lost,
-raised in start-up) is seen by the watcher (its liveness ref fails) or by a
-reader (``ray.get`` fails, or its queue closes): the executor fails once,
-every call gets ``WorkerDiedError`` naming the rank and the node, and the
-failure callbacks run once.  ``shutdown()``: the workers' own shutdown
+``non_block`` futures, typed ``WorkerError`` and stats are the same code
+(``driver.Driver``); and the actors are ``WatchedWorker``s of the same
+``Lifecycle``, so failure and teardown follow the same table.  A dead actor
+(killed, its node lost, raised in start-up) is seen by the death watch (its
+liveness ref fails: the handle's death descriptor becomes readable and the
+lifecycle's one monitor fails the executor) or by a reader (``ray.get``
+fails, or its queue closes): the executor fails once, every call gets
+``WorkerDiedError`` naming the rank and the node, and the failure callbacks
+run once.  ``shutdown()``: the workers' own shutdown
 (bounded by ``shutdown_grace_s``), ``ray.kill`` every actor, remove the
 placement group, stop Ray if this executor started it.
 """
@@ -77,8 +80,6 @@ _CAUSE_WAIT_S = 1.0
 class RayWorkerHandle:
     """One actor as the lifecycle sees a worker (``launcher.WatchedWorker``)."""
 
-    death_fd = -1  # the actor watcher (``_RayState``) sees its death instead
-
     def __init__(self, ray: Any, rank: int, actor: Any, driver_node: str,
                  remote_lag_s: float) -> None:
         self.ray = ray
@@ -89,6 +90,20 @@ class RayWorkerHandle:
         self.liveness = actor.wait_exit.options(concurrency_group=SUPERVISE_GROUP).remote()
         self.pid: int | None = None
         self.node_id = "?"
+        # Written by the actors' death watch when Ray reports the actor gone:
+        # the lifecycle's monitor polls it like a local worker's pidfd.
+        self._death_r, self._death_w = os.pipe()
+        self._fd_lock = threading.Lock()
+
+    @property
+    def death_fd(self) -> int:
+        return self._death_r
+
+    def gone(self) -> None:
+        """The death watch saw the actor's liveness ref resolve."""
+        with self._fd_lock:
+            if self._death_w >= 0:
+                os.write(self._death_w, b"x")
 
     @property
     def name(self) -> str:
@@ -150,7 +165,11 @@ class RayWorkerHandle:
         pass
 
     def close(self) -> None:
-        pass
+        with self._fd_lock:
+            for fd in (self._death_r, self._death_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._death_r = self._death_w = -1
 
     def __repr__(self) -> str:
         return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
@@ -189,7 +208,8 @@ class RayExecutor(Driver):
         try:
             self._start_actors(deadline)
             if state.watcher is None:
-                state.start_watcher(life)
+                state.watch_deaths(self.actors)
+                life.start_monitor()
             life.mark_ready()
             self._post_init_executor()
         except BaseException:
@@ -249,8 +269,9 @@ class RayExecutor(Driver):
         self.replies.attach(self.response_mqs, self.calls.lock)
         state.serve_refs = [h.actor.serve.remote() for h in handles]
         assert self.rpc_broadcast_mq is not None
-        # A remote reader cannot see its peer die: the watcher, already, can.
-        state.start_watcher(life)
+        # A remote reader cannot see its peer die: the death watch, already, can.
+        state.watch_deaths(handles)
+        life.start_monitor()
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
                   explain_closed=partial(_death_in_handshake, life))
 
@@ -369,23 +390,21 @@ class _RayState:
         self.watcher: threading.Thread | None = None
         self.stop = threading.Event()
 
-    def start_watcher(self, life: Lifecycle) -> None:
+    def watch_deaths(self, handles: list[RayWorkerHandle]) -> None:
+        """The actors' death watch: each actor's liveness ref resolving (it
+        died, its node was lost) becomes its handle's death descriptor, which
+        the lifecycle's monitor polls with everything else."""
         assert self.session is not None
-        handles: list[Any] = list(life.handles)
         ray, stop = self.session.ray, self.stop
 
         def watch() -> None:
             by_ref = {h.liveness: h for h in handles}
-            while not stop.is_set():
+            while by_ref and not stop.is_set():
                 ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
-                if ready:
-                    handle = by_ref[ready[0]]
-                    if life.worker_died(handle):
-                        life.fire_callbacks()
-                        life.teardown()
-                    return
+                for ref in ready:
+                    by_ref.pop(ref).gone()
 
-        self.watcher = threading.Thread(target=watch, daemon=True, name="RayWorkerMonitor")
+        self.watcher = threading.Thread(target=watch, daemon=True, name="RayDeathWatch")
         self.watcher.start()
 
     def end_workers_gently(self, life: Lifecycle) -> None:
@@ -416,12 +435,7 @@ class _RayState:
 def _close(life: Lifecycle, state: _RayState) -> None:
     if os.getpid() != life.owner_pid:
         return
-    with life.lock:
-        orderly = life.state is State.READY
-        if life.state is not State.FAILED:
-            life.state = State.CLOSED
-            life.usable = False
-    if orderly:
+    if life.begin_close():
         try:
             state.end_workers_gently(life)
         except Exception:
