@@ -17,7 +17,7 @@ runs a single worker in-process.  A user worker implements the
 from mpexec.executor.abstract import Executor, FailureCallback
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.futures import FutureWrapper
-from mpexec.executor.launcher import WorkerHandle, WorkerLauncher
+from mpexec.executor.launcher import WatchedWorker, WorkerExit, WorkerHandle, WorkerLauncher
 from mpexec.executor.lifecycle import State
 from mpexec.executor.local import LocalProcessLauncher, LocalWorkerHandle
 from mpexec.executor.multiproc import MultiprocExecutor
@@ -43,8 +43,10 @@ __all__ = [
     "TerminationPolicy",
     "TerminationReport",
     "UniProcExecutor",
+    "WatchedWorker",
     "WorkerBase",
     "WorkerContext",
+    "WorkerExit",
     "WorkerHandle",
     "WorkerLauncher",
     "WorkerSpec",

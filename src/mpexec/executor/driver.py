@@ -14,10 +14,14 @@ the end.  A subclass brings the launcher: ``MultiprocExecutor`` (local
 processes, and follower nodes when there are several), ``RayExecutor``
 (Ray actors).
 
-Start-up (``_init_executor``): the subclass's ``_start_workers`` starts
-every worker, attaches to each reply queue and finishes the handshake;
-then the monitor starts and the executor is READY.  Any failure tears
-everything down (``lifecycle``) and raises ``WorkerStartupError``.
+Construction stores the config and builds the empty parts (lifecycle,
+reply router, call order); ``start()`` - which ``SomeExecutor(config)``
+calls once every ``__init__`` has run - installs the finalizer
+(``_closer``: what ends this executor, with no reference back to it), and
+the subclass's ``_start_workers`` starts every worker, attaches to each
+reply queue and finishes the handshake; then the monitor starts and the
+executor is READY.  Any failure tears everything down (``lifecycle``) and
+raises ``WorkerStartupError``.
 
 Calls: ``collective_rpc`` validates its arguments, broadcasts one ``Call``
 (``_broadcast``) and appends one ``PendingCall`` to the call order; a
@@ -49,7 +53,7 @@ import cloudpickle
 from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError
 from mpexec.executor.abstract import Executor, FailureCallback, check_call
-from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall
+from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyReader
 from mpexec.executor.launcher import WatchedWorker
 from mpexec.executor.lifecycle import Lifecycle, State
 from mpexec.executor.protocol import Reply, aggregate_replies, decode_replies
@@ -75,6 +79,7 @@ class Driver(Executor):
     supports_pp = True
 
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        super().__init__(config)
         self.monitor_workers = config.monitor_workers if monitor_workers is None \
             else monitor_workers
         self.world_size = config.parallel.world_size
@@ -114,22 +119,32 @@ class Driver(Executor):
 
         self._finish_single: Finish = finish_single
         self._finish_list: Finish = finish_list
-        self.calls = CallOrder(self.replies)
+        self.calls = CallOrder(self._reply_reader())
+        self.calls.stats = self.call_stats
         self.lifecycle.calls = self.calls
         self._broadcast_lock = threading.Lock()
         self._next_call_id = 0
         self._all_ranks = tuple(range(self.world_size))
         self._start_rank = global_start_rank(config.parallel)
-        self._finalizer = weakref.finalize(self, self.lifecycle.close)
-        super().__init__(config)
+        # Ends everything at shutdown(), interpreter exit or collection; set
+        # by start(), so that it can end what a subclass holds too.
+        self._finalizer: Callable[[], Any] | None = None
 
     # -- start-up ---------------------------------------------------------------
+
+    def _reply_reader(self) -> ReplyReader:
+        """What the call order reads replies from: the reply queues."""
+        return self.replies
+
+    def _closer(self) -> Callable[[], None]:
+        """What ends this executor (no reference back to it): the lifecycle's close."""
+        return self.lifecycle.close
 
     def _init_executor(self) -> None:
         config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
         life = self.lifecycle
-        self.calls.stats = self.call_stats
+        finalizer = self._finalizer = weakref.finalize(self, self._closer())
         try:
             with self.tracer.span("executor.start", world_size=self.world_size):
                 self._start_workers(deadline)
@@ -138,7 +153,7 @@ class Driver(Executor):
             life.mark_ready()
             self._post_init_executor()
         except BaseException:
-            self._finalizer()
+            finalizer()
             raise
         if life.port is not None:
             life.port.close()  # the workers have their rendezvous; free the port
@@ -335,7 +350,8 @@ class Driver(Executor):
 
     def shutdown(self) -> None:
         """Stop the workers and release everything; idempotent, any thread."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
         self.lifecycle.close()  # returns only once a teardown elsewhere is done
         self.shared_worker_lock = None
         self.tracer.shutdown()

@@ -224,6 +224,8 @@ class Lifecycle:
     # -- monitor ----------------------------------------------------------------------
 
     def start_monitor(self) -> None:
+        if self.monitor is not None:
+            return  # one monitor, whoever starts it first
         thread = threading.Thread(target=self.watch, daemon=True,
                                   name="MultiprocWorkerMonitor")
         self.monitor = thread

@@ -48,24 +48,20 @@ class MultiprocExecutor(Driver):
     """One worker process per local rank; see the module docstring."""
 
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        super().__init__(config, monitor_workers)
         # Several nodes: the leader's node channel and one handle per follower.
         self.cluster: NodeServer | None = None
         self._remote_handles: dict[int, RemoteNodeHandle] = {}
-        super().__init__(config, monitor_workers)
 
     # -- start-up ---------------------------------------------------------------
 
-    def _init_executor(self) -> None:
+    def _start_workers(self, deadline: float) -> None:
+        config, life = self.config, self.lifecycle
         parallel = self.parallel_config
         if parallel.nnodes_within_dp > 1 and parallel.node_rank_within_dp != 0:
             raise ValueError(
                 f"node_rank {parallel.node_rank} is a follower node: run `mpexec node` (or "
                 "mpexec.executor.nodes.run_follower) there; the executor lives on node 0")
-        super()._init_executor()
-
-    def _start_workers(self, deadline: float) -> None:
-        config, life = self.config, self.lifecycle
-        parallel = self.parallel_config
         multinode = parallel.nnodes_within_dp > 1
         if multinode:
             # master_port is the node channel's; torch gets a port of its own.

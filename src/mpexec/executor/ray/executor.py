@@ -47,14 +47,14 @@ import os
 import re
 import threading
 import time
-import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError, WorkerStartupError
 from mpexec.executor.driver import Driver
-from mpexec.executor.futures import CallOrder
+from mpexec.executor.futures import ReplyReader
 from mpexec.executor.handshake import handshake
 from mpexec.executor.launcher import WorkerExit
 from mpexec.executor.lifecycle import Lifecycle, State
@@ -181,45 +181,36 @@ class RayExecutor(Driver):
     supports_pp = True
     uses_ray = True
 
+    # The "ray" call path's reply reader (``_reply_reader``), else None.
+    ray_replies: RayReplies | None = None
+
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        super().__init__(config, monitor_workers)
         self.call_path = config.ray_call_path
         self.session: RaySession | None = None
         self.placement_group: Any = None
         self.actors: list[RayWorkerHandle] = []
         self._ray_state = _RayState(config)
-        super().__init__(config, monitor_workers)
 
-    def _init_executor(self) -> None:
+    def _reply_reader(self) -> ReplyReader:
+        """On the "ray" call path each reply is one ``ray.get`` (``replies``)."""
+        if self.config.ray_call_path != "ray":
+            return super()._reply_reader()
+        self.ray_replies = RayReplies(self)
+        return self.ray_replies
+
+    def _closer(self) -> Callable[[], None]:
+        """The lifecycle's close, and what Ray holds (placement group, a Ray
+        this executor started)."""
+        return partial(_close, self.lifecycle, self._ray_state)
+
+    def _start_workers(self, deadline: float) -> None:
         config, life, state = self.config, self.lifecycle, self._ray_state
         if self.parallel_config.nnodes_within_dp > 1:
             raise NotImplementedError("executor_backend 'ray' places workers on nodes itself: "
                                       "leave nnodes at 1 (per data parallel rank)")
         if config.shared_worker_lock:
             raise ValueError("shared_worker_lock is not available with executor_backend 'ray'")
-        # The actors are handles of the same lifecycle; the finalizer also
-        # ends what Ray holds (placement group, a Ray this executor started).
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, partial(_close, life, state))
-        if self.call_path == "ray":
-            self.replies = RayReplies(self)  # type: ignore[assignment]
-            self.calls = life.calls = CallOrder(self.replies)
-            self.calls.stats = self.call_stats
-        deadline = time.monotonic() + config.startup_timeout_s
-        try:
-            self._start_actors(deadline)
-            if state.watcher is None:
-                state.watch_deaths(self.actors)
-                life.start_monitor()
-            life.mark_ready()
-            self._post_init_executor()
-        except BaseException:
-            self._finalizer()
-            raise
-        if life.port is not None:
-            life.port.close()
-
-    def _start_actors(self, deadline: float) -> None:
-        config, life, state = self.config, self.lifecycle, self._ray_state
         session = self.session = state.session = RaySession.open(config.ray_address)
         ray = session.ray
         group = self.placement_group = state.group = place_workers(
@@ -254,8 +245,10 @@ class RayExecutor(Driver):
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
                                       runtime_env)
         if plan is None:
-            assert isinstance(self.replies, RayReplies)
-            self.replies.attach(ray, handles)
+            assert self.ray_replies is not None
+            self.ray_replies.attach(ray, handles)
+            state.watch_deaths(handles)
+            life.start_monitor()
             return
         for h in handles:
             if h.node_id != plan.rank_nodes[h.rank]:  # Ray broke the bundle's pinning
@@ -300,8 +293,8 @@ class RayExecutor(Driver):
         if self.call_path == "shm":
             super()._broadcast(message, deadline, name)
             return
-        assert isinstance(self.replies, RayReplies)
-        self.replies.submit(message)
+        assert self.ray_replies is not None
+        self.ray_replies.submit(message)
 
 
 def _death_in_handshake(life: Lifecycle, exc: QueueClosedError) -> WorkerStartupError | None:
