@@ -1,7 +1,7 @@
 """A follower node as one of the leader's worker handles (see ``leader``).
 
 The lifecycle and the failure table talk to workers only through the
-``WorkerHandle`` protocol (``launcher``); a follower node answers it for all
+``WatchedWorker`` protocol (``launcher``); a follower node answers it for all
 of its ranks at once.  Its death descriptor is a pipe that becomes readable
 when the node is lost (``lost``: silent for ``node_timeout_s``, or it
 reported a failed worker); ending it (``terminate``, ``close_death_pipe``)
