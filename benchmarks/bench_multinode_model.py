@@ -58,7 +58,7 @@ def child_env(node_id: str | None) -> dict[str, str]:
 
 
 def start_follower(port: int, node_id: str | None) -> subprocess.Popen[bytes]:
-    code = ("import sys; from mpexec.executor.node import run_follower; "
+    code = ("import sys; from mpexec.executor.nodes.follower import run_follower; "
             f"sys.exit(run_follower(2, 1, '127.0.0.1', {port}, join_timeout_s=120))")
     return subprocess.Popen([sys.executable, "-c", code], env=child_env(node_id),
                             start_new_session=True, stdout=subprocess.DEVNULL,

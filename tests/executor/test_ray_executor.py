@@ -233,7 +233,7 @@ def test_a_worker_module_on_the_drivers_sys_path_imports_in_the_actors(
         made: list[RayExecutor], module_on_sys_path: str, as_class: bool) -> None:
     import importlib
 
-    from mpexec.executor.ray_cluster import actor_runtime_env
+    from mpexec.executor.ray.cluster import actor_runtime_env
 
     cls: object = f"{module_on_sys_path}:PathWorker"
     if as_class:
@@ -247,7 +247,7 @@ def test_a_worker_module_on_the_drivers_sys_path_imports_in_the_actors(
 def test_a_worker_module_the_actors_cannot_import_is_named(
         made: list[RayExecutor], module_on_sys_path: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.executor import ray as ray_executor
+    from mpexec.executor.ray import executor as ray_executor
 
     monkeypatch.setattr(ray_executor, "actor_runtime_env", lambda session: None)
     with pytest.raises(WorkerStartupError) as info:

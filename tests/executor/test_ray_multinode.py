@@ -121,7 +121,7 @@ def test_remote_actor_dying_in_the_queue_handshake_fails_start_up(
         made: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A remote reader cannot see its peer die; the watcher does, so start-up
     fails at once rather than at startup_timeout_s (120 s here)."""
-    import mpexec.executor.ray as ray_executor
+    import mpexec.executor.ray.executor as ray_executor
 
     started = ray_executor._wait_started
     here = ray.get_runtime_context().get_node_id()

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from mpexec.executor import ray_cluster
-from mpexec.executor.ray_cluster import RaySession
+from mpexec.executor.ray import cluster as ray_cluster
+from mpexec.executor.ray.cluster import RaySession
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def start_follower(port: int, node_rank: int = 1, nnodes: int = 2,
     else:
         args = [sys.executable, "-c",
                 "import sys, logging; logging.basicConfig(level=logging.INFO); "
-                "from mpexec.executor.node import run_follower; "
+                "from mpexec.executor.nodes.follower import run_follower; "
                 f"sys.exit(run_follower({nnodes}, {node_rank}, '127.0.0.1', {port}, "
                 "join_timeout_s=60))"]
     return subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE,

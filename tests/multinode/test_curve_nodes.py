@@ -24,7 +24,7 @@ def _follower(port: int, curve: bool) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
            "MPEXEC_CLUSTER_CURVE": "1" if curve else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    code = ("import sys; from mpexec.executor.node import run_follower; "
+    code = ("import sys; from mpexec.executor.nodes.follower import run_follower; "
             f"sys.exit(run_follower(2, 1, '127.0.0.1', {port}, join_timeout_s=60))")
     return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

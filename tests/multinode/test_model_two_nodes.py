@@ -39,7 +39,7 @@ def start_model_follower(port: int, node_id: str | None) -> subprocess.Popen[byt
     env.pop("MPEXEC_NODE_ID", None)
     if node_id is not None:
         env["MPEXEC_NODE_ID"] = node_id
-    code = ("import sys; from mpexec.executor.node import run_follower; "
+    code = ("import sys; from mpexec.executor.nodes.follower import run_follower; "
             f"sys.exit(run_follower(2, 1, '127.0.0.1', {port}, join_timeout_s=60))")
     return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

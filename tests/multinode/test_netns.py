@@ -118,7 +118,7 @@ def _port_free(ip: str, port: int) -> bool:
 def _start_follower(link: Link, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    code = ("import sys; from mpexec.executor.node import run_follower; "
+    code = ("import sys; from mpexec.executor.nodes.follower import run_follower; "
             f"sys.exit(run_follower(2, 1, {link.leader_ip!r}, {port}, "
             f"bind_addr={link.follower_ip!r}, join_timeout_s=60))")
     return subprocess.Popen(["ip", "netns", "exec", link.ns, sys.executable, "-c", code],

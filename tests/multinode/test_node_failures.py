@@ -213,7 +213,7 @@ def test_a_leader_worker_failing_start_up_is_not_kept_waiting_for_followers(
 def test_a_follower_stopped_during_the_queue_handshake_fails_the_start(
         leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.executor.cluster import NodeServer
+    from mpexec.executor.nodes.leader import NodeServer
 
     follower, port = follower_port
     collect = NodeServer.collect

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mpexec.executor.nodewire import Liveness
+from mpexec.executor.nodes.wire import Liveness
 
 
 class FakeClock:
@@ -84,8 +84,8 @@ def test_leader_and_follower_stalled_together_do_not_call_each_other_lost(
     timeout of 1 s.  The one that wakes first finds its peer silent for
     2.5 s or more, a gap its own absence explains: nobody is lost."""
     pytest.importorskip("zmq")
-    from mpexec.executor.cluster import NodeServer, node_assignment
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes.follower import NodeClient
+    from mpexec.executor.nodes.leader import NodeServer, node_assignment
     from tests.multinode.nodes import SECRET, free_port
     from tests.multinode.test_two_nodes import two_node_config
 
@@ -135,8 +135,8 @@ def test_leader_and_follower_stalled_together_do_not_call_each_other_lost(
 def test_a_follower_whose_leader_falls_silent_still_calls_it_lost(
         leak_check: None) -> None:
     pytest.importorskip("zmq")
-    from mpexec.executor.cluster import NodeServer, node_assignment
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes.follower import NodeClient
+    from mpexec.executor.nodes.leader import NodeServer, node_assignment
     from tests.multinode.nodes import SECRET, free_port
     from tests.multinode.test_two_nodes import two_node_config
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("zmq")
 
 from mpexec.errors import NodeLayoutError, WorkerStartupError
-from mpexec.executor import nodewire
+from mpexec.executor.nodes import wire as nodewire
 from tests.multinode.nodes import SECRET, free_port, reap, start_follower
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -86,7 +86,7 @@ def test_a_follower_with_the_wrong_nnodes_is_refused_at_once_and_the_right_one_a
 
 
 def _server(port: int) -> Any:
-    from mpexec.executor.cluster import NodeServer
+    from mpexec.executor.nodes.leader import NodeServer
 
     return NodeServer(SECRET, "127.0.0.1", port, 2, 1, heartbeat_s=0.2, timeout_s=5.0)
 
@@ -112,7 +112,7 @@ def _join(client: Any, into: list[Any]) -> threading.Thread:
 
 
 def test_a_node_rank_out_of_range_is_refused_and_named_when_the_start_times_out() -> None:
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes.follower import NodeClient
 
     port = free_port()
     server = _server(port)
@@ -133,8 +133,8 @@ def test_a_node_rank_out_of_range_is_refused_and_named_when_the_start_times_out(
 
 
 def test_a_second_follower_with_a_taken_node_rank_is_refused() -> None:
-    from mpexec.executor.cluster import node_assignment
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes.follower import NodeClient
+    from mpexec.executor.nodes.leader import node_assignment
     from tests.multinode.test_two_nodes import two_node_config
 
     port = free_port()

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("zmq")
 
 from mpexec.errors import NodeVersionError, WorkerStartupError
-from mpexec.executor import nodewire
+from mpexec.executor.nodes import wire as nodewire
 from tests.multinode.nodes import ROOT, SECRET, free_port, reap, start_follower
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -32,8 +32,8 @@ OTHER = b"99 9.9.9"  # a node protocol and mpexec version no one runs
 def start_follower_of_another_version(port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    code = ("import sys; import mpexec.executor.nodewire as wire; wire.NODE_PROTOCOL = 99; "
-            "from mpexec.executor.node import run_follower; "
+    code = ("import sys; import mpexec.executor.nodes.wire as wire; wire.NODE_PROTOCOL = 99; "
+            "from mpexec.executor.nodes.follower import run_follower; "
             f"sys.exit(run_follower(2, 1, '127.0.0.1', {port}, join_timeout_s=60))")
     return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -103,7 +103,7 @@ def test_a_follower_of_another_version_is_refused_and_the_leader_waits_for_a_rig
 
 
 def _server(port: int) -> Any:
-    from mpexec.executor.cluster import NodeServer
+    from mpexec.executor.nodes.leader import NodeServer
 
     return NodeServer(SECRET, "127.0.0.1", port, 2, 1, heartbeat_s=0.2, timeout_s=5.0)
 
@@ -116,8 +116,8 @@ def close(server: Any) -> None:
 
 def test_the_leader_names_the_refused_version_when_start_up_times_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec.executor import node as node_module
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes import follower as node_module
+    from mpexec.executor.nodes.follower import NodeClient
 
     monkeypatch.setattr(node_module, "join_parts", lambda nonce, nnodes: [  # the JOIN
         nodewire.NONCE.pack(nonce), OTHER, str(nnodes).encode()])
@@ -152,8 +152,8 @@ def test_a_follower_refuses_a_config_of_another_version(
     """The leader's CONFIG names another version: the follower refuses it
     before unpickling anything and reports FAILED, so the leader does not
     wait out the heartbeat."""
-    from mpexec.executor import cluster
-    from mpexec.executor.node import NodeClient
+    from mpexec.executor.nodes import leader as cluster
+    from mpexec.executor.nodes.follower import NodeClient
 
     monkeypatch.setattr(cluster, "this_version", lambda: OTHER)  # the leader's CONFIG
     port = free_port()

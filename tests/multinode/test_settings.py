@@ -37,7 +37,7 @@ def test_bad_secrets_and_node_settings_name_the_field() -> None:
 
 
 def test_the_config_sent_to_a_follower_leaves_the_secret_out() -> None:
-    from mpexec.executor.cluster import node_assignment
+    from mpexec.executor.nodes.leader import node_assignment
     from mpexec.ipc import Handle
 
     config = ExecutorConfig(worker_cls=WORKER, cluster_secret=SECRET, parallel=ParallelConfig(

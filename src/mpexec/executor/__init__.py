@@ -1,24 +1,25 @@
 """Executors: drive the workers of one model replica.
 
-``Executor`` is the interface (``abstract``); ``MultiprocExecutor`` runs one
-process per worker (driver side in ``multiproc``, worker side in
-``worker_proc``), with its state and teardown in ``lifecycle``, the calls in
-flight in ``futures``, and the processes behind the ``launcher`` seam;
-``UniProcExecutor`` runs a single worker in-process.  A user worker
-implements the ``WorkerBase`` protocol and is built from its
-``WorkerContext``.
+``Executor`` is the interface (``abstract``).  The driver core lives here:
+``driver`` (the calls and the failure table over one broadcast queue),
+``lifecycle`` (state and teardown), ``futures`` / ``pump`` / ``replies``
+(the calls in flight), ``verdict`` (which worker died), ``termination``,
+``stall``, the launcher seam (``launcher``) and the worker side
+(``worker_proc``, ``worker_base``, ``watcher``).  Each way of starting
+workers is a sub-package behind the seam: ``local`` (local processes),
+``nodes`` (follower nodes), ``ray`` (Ray actors).  ``MultiprocExecutor``
+(``multiproc``) is the driver over local processes and follower nodes,
+``RayExecutor`` (``ray``) the driver over Ray actors, ``UniProcExecutor``
+runs a single worker in-process.  A user worker implements the
+``WorkerBase`` protocol and is built from its ``WorkerContext``.
 """
 
 from mpexec.executor.abstract import Executor, FailureCallback
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.futures import FutureWrapper
-from mpexec.executor.launcher import (
-    LocalProcessLauncher,
-    LocalWorkerHandle,
-    WorkerHandle,
-    WorkerLauncher,
-)
+from mpexec.executor.launcher import WatchedWorker, WorkerExit, WorkerHandle, WorkerLauncher
 from mpexec.executor.lifecycle import State
+from mpexec.executor.local import LocalProcessLauncher, LocalWorkerHandle
 from mpexec.executor.multiproc import MultiprocExecutor
 from mpexec.executor.protocol import Ready, RemoteFailure, StartupFailed
 from mpexec.executor.spec import WorkerSpec
@@ -42,8 +43,10 @@ __all__ = [
     "TerminationPolicy",
     "TerminationReport",
     "UniProcExecutor",
+    "WatchedWorker",
     "WorkerBase",
     "WorkerContext",
+    "WorkerExit",
     "WorkerHandle",
     "WorkerLauncher",
     "WorkerSpec",

@@ -14,7 +14,7 @@ import importlib
 import logging
 import math
 import threading
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import cached_property
@@ -42,7 +42,19 @@ _BACKENDS = {
 }
 
 
-class Executor(ABC):
+class _StartedOnConstruction(ABCMeta):
+    """``SomeExecutor(config)`` constructs the executor, then calls its
+    ``start()``: each ``__init__`` in the class chain stores its config and
+    sets its attributes in the usual order, and no worker exists before all
+    of them have run."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        executor = super().__call__(*args, **kwargs)
+        executor.start()
+        return executor
+
+
+class Executor(metaclass=_StartedOnConstruction):
     """Runs the same calls on every worker and collects their replies."""
 
     # Whether this backend can run pipeline_parallel_size > 1 (its workers
@@ -100,13 +112,22 @@ class Executor(ABC):
             if config.aggregate_kv_outputs else None
         )
         self.call_stats = CallStats()
+        self._started = False
+
+    def start(self) -> None:
+        """Start the workers and wait until they are ready; raise (having cleaned
+        up) if they cannot start.  ``SomeExecutor(config)`` calls it once every
+        ``__init__`` of the class has run; calling it again does nothing."""
+        if self._started:
+            return
+        self._started = True
         self._init_executor()
 
     @abstractmethod
     def _init_executor(self) -> None:
         """Start the workers; raise (having cleaned up) if they cannot start."""
 
-    def _post_init_executor(self) -> None:  # noqa: B027 - an optional hook, empty on purpose
+    def _post_init_executor(self) -> None:
         """Hook for subclasses: runs once the workers are ready."""
 
     # -- calls -----------------------------------------------------------------

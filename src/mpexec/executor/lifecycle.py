@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
 from mpexec.executor.futures import CallOrder
-from mpexec.executor.launcher import WorkerHandle
+from mpexec.executor.launcher import WatchedWorker, WorkerHandle
 from mpexec.executor.spec import PortReservation
 from mpexec.executor.stall import Stall, StallWatch
 from mpexec.executor.termination import TerminationPolicy
@@ -77,14 +77,13 @@ class Death:
     exitcode: int | None
     how: str = ""
     stall: Stall | None = None  # it stopped answering (and was killed)
+    who: str = ""  # names the worker before "died:"; empty where ``how`` does
 
     def error(self) -> WorkerDiedError:
         if self.stall is not None:
             return self.stall.error()
         how = self.how or describe_exitcode(self.exitcode)
-        # No pid: a follower node, and ``how`` names it and its ranks.
-        what = f"worker rank {self.rank} (pid {self.pid}) died: " if self.pid is not None \
-            else ""
+        what = f"{self.who} died: " if self.who else ""
         return WorkerDiedError(f"{what}{how}; the executor has failed",
                                rank=self.rank, pid=self.pid, exitcode=self.exitcode)
 
@@ -103,7 +102,7 @@ class Lifecycle:
         # The first failure's error, kept as the cause of every later one.
         self.first_error: WorkerDiedError | None = None
         self.stall: StallWatch | None = None
-        self.handles: list[WorkerHandle] = []
+        self.handles: list[WatchedWorker] = []
         self.queues: list[MessageQueue] = []
         self.calls: CallOrder | None = None
         self.port: PortReservation | None = None
@@ -128,6 +127,16 @@ class Lifecycle:
                 self.state = State.READY
                 self.usable = True
 
+    def begin_close(self) -> bool:
+        """The first step of an orderly end: CLOSED (unless FAILED), unusable;
+        True if it was READY (its workers may still run their own shutdown)."""
+        with self.lock:
+            orderly = self.state is State.READY
+            self.usable = False
+            if self.state is not State.FAILED:
+                self.state = State.CLOSED
+        return orderly
+
     def closed_error(self) -> Exception:
         """What a call sees once the executor is no longer usable: after a
         failure, a ``WorkerDiedError`` in the first one's words, with it as
@@ -148,14 +157,20 @@ class Lifecycle:
         _run_callback(callback)
 
     def worker_died(self, handle: WorkerHandle, how: str = "") -> bool:
-        """Fail the executor because ``handle`` is gone; True for the first death."""
-        exitcode = handle.wait_exitcode()
-        # A follower node's handle says which node and ranks were lost, and how.
-        how = how or (handle.describe_exit() if handle.pid is None else "")
-        if not self._fail(Death(handle.rank, handle.pid, exitcode, how)):
+        """Fail the executor because ``handle`` is gone; True for the first death.
+
+        The handle says how it ended (``describe_exit``); ``how``, when given,
+        is what the caller saw instead ("closed its queue ...": it may still run)."""
+        exit = handle.describe_exit()
+        if how:
+            how = f"{exit.who or handle.name} {how}"
+            death = Death(handle.rank, exit.pid, exit.exitcode, how)
+        else:
+            death = Death(handle.rank, exit.pid, exit.exitcode, exit.how, who=exit.who)
+        if not self._fail(death):
             return False
         logger.error("Worker proc %s died unexpectedly (%s), shutting down executor.",
-                     handle.name, how or describe_exitcode(exitcode))
+                     handle.name, how or exit.how)
         self._after_fail()
         return True
 
@@ -209,6 +224,8 @@ class Lifecycle:
     # -- monitor ----------------------------------------------------------------------
 
     def start_monitor(self) -> None:
+        if self.monitor is not None:
+            return  # one monitor, whoever starts it first
         thread = threading.Thread(target=self.watch, daemon=True,
                                   name="MultiprocWorkerMonitor")
         self.monitor = thread
@@ -254,10 +271,7 @@ class Lifecycle:
         """The orderly end: shutdown(), a failed start, interpreter exit, GC."""
         if os.getpid() != self.owner_pid:
             return  # a forked copy must not touch the parent's workers
-        with self.lock:
-            self.usable = False
-            if self.state is not State.FAILED:
-                self.state = State.CLOSED
+        self.begin_close()
         self.teardown()
 
     def teardown(self) -> None:

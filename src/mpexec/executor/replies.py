@@ -4,7 +4,7 @@ Each worker answers, on its own reply queue, the calls it replies to in the
 order it received them.  :class:`ReplyRouter` is the one place the driver
 reads those queues from.  Whoever holds the call order's lock may read; a
 reply read ahead of need (while the driver makes room on a full broadcast
-ring, see ``multiproc``) goes into a per-rank *stash*, which every later
+ring, see ``driver``) goes into a per-rank *stash*, which every later
 read empties first, so the order of each rank's replies is never disturbed.
 
 A queue that closes under a read becomes the caller's error through

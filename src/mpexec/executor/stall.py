@@ -38,7 +38,7 @@ from mpexec.ipc.shm import Segment, SegmentRef, segment_name
 from mpexec.system import proc_stat
 
 if TYPE_CHECKING:
-    from mpexec.executor.launcher import WorkerHandle
+    from mpexec.executor.launcher import WatchedWorker
 
 _MIN_TICK_S = 0.05
 _MAX_TICK_S = 1.0
@@ -95,7 +95,7 @@ class StallWatch:
         """Where the workers stamp their heartbeats (None: no heartbeat)."""
         return None if self.segment is None else self.segment.ref()
 
-    def check(self, handles: Sequence[WorkerHandle]) -> Stall | None:
+    def check(self, handles: Sequence[WatchedWorker]) -> Stall | None:
         """The first local worker past a bound, or None (dead ones are the
         monitor's: their pidfd says so)."""
         now = self._clock()
@@ -142,7 +142,7 @@ class StallWatch:
             self.segment.close()
 
 
-def startup_guard(watch: StallWatch, handles: Sequence[WorkerHandle]) -> Callable[[], None]:
+def startup_guard(watch: StallWatch, handles: Sequence[WatchedWorker]) -> Callable[[], None]:
     """A start-up wait's tick: for the first worker past a bound, kill it and
     raise ``WorkerStartupError`` (its ``WorkerStalledError`` as the cause)."""
 

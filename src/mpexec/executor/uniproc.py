@@ -41,6 +41,7 @@ class UniProcExecutor(Executor):
     supports_pp = False
 
     def __init__(self, config: ExecutorConfig) -> None:
+        super().__init__(config)
         self.driver_worker = WorkerWrapperBase(rpc_rank=0, global_rank=0)
         self.shutting_down = False
         self.shared_worker_lock: Any = None
@@ -48,7 +49,6 @@ class UniProcExecutor(Executor):
         self._worker_busy = threading.Lock()
         self._timed_calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._timed_thread: threading.Thread | None = None
-        super().__init__(config)
 
     def _init_executor(self) -> None:
         parallel = self.parallel_config

@@ -19,9 +19,10 @@ waits - bounded - for the executor's verdict::
       down: the executor already decided)       if it has failed; no wait
 
 A queue closing under a call is the executor's own business: ``_closed_error``
-(``multiproc``) waits, bounded by the node timeout, for a remote node's
-verdict when that queue's far end is on another node, so the caller gets
-``WorkerDiedError`` naming the node.
+(``driver``) waits, as long as the worker's handle says its death may trail
+its queues (``death_lag_s``: the node timeout for a follower node or an
+actor on another Ray node), so the caller gets ``WorkerDiedError`` naming
+the node.
 
 ``Executor.death_verdict_s`` (``death_verdict_s(config)`` unless a backend
 knows better): half a second on one node (both the monitor and the

@@ -45,7 +45,7 @@ from typing import Any
 
 from mpexec.errors import WorkerStartupError
 
-logger = logging.getLogger("mpexec.executor.ray")
+logger = logging.getLogger("mpexec.executor.ray.executor")
 
 # Executors using the local Ray that this module started (it stops with the last).
 _local_users = 0

@@ -8,9 +8,6 @@ message: ``Ready`` (the handle of its reply queue, to which the driver then
 attaches) or ``StartupFailed`` (its exception, type and traceback).  The
 first failure becomes a ``WorkerStartupError``; the caller then tears down
 everything started so far.
-
-``handshake`` is the driver's half of the queue handshake (broadcast queue
-first, then each reply queue in rank order: any other order deadlocks).
 """
 
 from __future__ import annotations
@@ -20,20 +17,20 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
-from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
-from mpexec.executor.launcher import WorkerHandle
+from mpexec.errors import WorkerStartupError
+from mpexec.executor.launcher import WatchedWorker
+from mpexec.executor.local.launcher import LocalWorkerHandle
 from mpexec.executor.protocol import Ready, StartupFailed
-from mpexec.ipc import MessageQueue
 
 
-def _died(handle: WorkerHandle, when: str) -> WorkerStartupError:
-    handle.wait_exitcode()
+def _died(handle: LocalWorkerHandle, when: str) -> WorkerStartupError:
+    exit = handle.describe_exit()
     return WorkerStartupError(
-        f"worker rank {handle.rank} (pid {handle.pid}) exited {when} ({handle.describe_exit()})",
+        f"worker rank {handle.rank} (pid {handle.pid}) exited {when} ({exit.how})",
         rank=handle.rank)
 
 
-def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
+def _failed(handle: LocalWorkerHandle, message: StartupFailed) -> WorkerStartupError:
     failure = message.failure
     error = WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) failed during start-up with "
@@ -43,8 +40,8 @@ def _failed(handle: WorkerHandle, message: StartupFailed) -> WorkerStartupError:
     return error
 
 
-def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: float, *,
-                   watch: Sequence[WorkerHandle] = (), tick: Callable[[], None] | None = None,
+def wait_for_ready(handles: Sequence[LocalWorkerHandle], deadline: float, timeout_s: float,
+                   *, watch: Sequence[WatchedWorker] = (), tick: Callable[[], None] | None = None,
                    tick_s: float = 0.05) -> list[Ready]:
     """Every worker's ``Ready``, in local-rank order; ``WorkerStartupError`` otherwise.
 
@@ -55,7 +52,7 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
     while waiting (a follower keeps its heartbeat going); what it raises
     ends the wait.
     """
-    pipes: dict[Connection, WorkerHandle] = {}
+    pipes: dict[Connection, LocalWorkerHandle] = {}
     for h in handles:
         assert h.ready_conn is not None
         pipes[h.ready_conn] = h
@@ -77,11 +74,10 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
             for obj in signalled:
                 lost = watched.get(obj) if isinstance(obj, int) else None
                 if lost is not None:
-                    rank = getattr(lost, "failed_rank", None)
-                    raise WorkerStartupError(
-                        f"{lost.describe_exit()} (during start-up)",
-                        rank=lost.rank if rank is None else rank,
-                        remote_traceback=getattr(lost, "remote_traceback", ""))
+                    exit = lost.describe_exit()
+                    raise WorkerStartupError(f"{exit.sentence()} (during start-up)",
+                                             rank=exit.rank,
+                                             remote_traceback=exit.remote_traceback)
             # Pipes first: a worker that reported a failure and exited shows
             # up on both, and its message is the better explanation.
             for obj in signalled:
@@ -100,7 +96,7 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
                     raise WorkerStartupError(
                         f"worker rank {handle.rank} sent {type(message).__name__} instead "
                         "of Ready", rank=handle.rank)
-                ready[handles.index(handle)] = message
+                ready[list(handles).index(handle)] = message
             for obj in signalled:
                 handle = deaths.get(obj) if isinstance(obj, int) else None
                 conn = None if handle is None else handle.ready_conn
@@ -111,57 +107,3 @@ def wait_for_ready(handles: list[WorkerHandle], deadline: float, timeout_s: floa
         for handle in handles:
             handle.close_ready()
     return [r for r in ready if r is not None]
-
-
-def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: float,
-              timeout_s: float, lost: Callable[[], str | None] | None = None,
-              explain_closed: Callable[[QueueClosedError], WorkerStartupError | None]
-              | None = None) -> None:
-    """The driver's half of the queue handshake, bounded by ``deadline``.
-
-    ``lost``, when given, says why the start cannot finish (a follower node
-    is gone, a worker stalled) or None; it is asked every
-    ``_HANDSHAKE_SLICE_S`` of waiting.  Every way the handshake can fail is a
-    ``WorkerStartupError``: a queue shut down under it (a worker closed its
-    end, or a monitor tore the executor down meanwhile) included, explained
-    by ``explain_closed`` when it knows better (which worker died, and how).
-    """
-    # Ensure message queues are ready.  Will deadlock if re-ordered: each
-    # worker waits on the broadcast queue before its reply queue, so we
-    # must finish the broadcast handshake before waiting on any reply queue.
-    try:
-        for mq in (broadcast, *replies):
-            _wait_until_ready(mq, deadline, lost)
-    except PeerDiedError as exc:
-        raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
-    except QueueClosedError as exc:
-        error = None if explain_closed is None else explain_closed(exc)
-        if error is None:
-            error = WorkerStartupError(f"the queue handshake was cut short: {exc}",
-                                       rank=exc.reader_rank)
-        raise error from exc
-    except TimeoutError as exc:
-        raise WorkerStartupError(
-            f"the queue handshake did not finish within {timeout_s:g}s "
-            f"(startup_timeout_s): {exc}") from exc
-
-
-# Longer than a remote reader's HELLO repeat (1 s), so that slicing the wait
-# never keeps it from saying HELLO again.
-_HANDSHAKE_SLICE_S = 1.5
-
-
-def _wait_until_ready(mq: MessageQueue, deadline: float,
-                      lost: Callable[[], str | None] | None) -> None:
-    while True:
-        now = time.monotonic()
-        end = deadline if lost is None else min(deadline, now + _HANDSHAKE_SLICE_S)
-        try:
-            mq.wait_until_ready(max(0.0, end - now))
-            return
-        except TimeoutError:
-            if lost is None or time.monotonic() >= deadline:
-                raise
-            why = lost()
-            if why is not None:
-                raise WorkerStartupError(why) from None

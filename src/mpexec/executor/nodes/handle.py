@@ -1,7 +1,7 @@
-"""A follower node as one of the leader's worker handles (see ``cluster``).
+"""A follower node as one of the leader's worker handles (see ``leader``).
 
 The lifecycle and the failure table talk to workers only through the
-``WorkerHandle`` protocol (``launcher``); a follower node answers it for all
+``WatchedWorker`` protocol (``launcher``); a follower node answers it for all
 of its ranks at once.  Its death descriptor is a pipe that becomes readable
 when the node is lost (``lost``: silent for ``node_timeout_s``, or it
 reported a failed worker); ending it (``terminate``, ``close_death_pipe``)
@@ -16,10 +16,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from mpexec.executor.launcher import WorkerExit
 from mpexec.ipc import Handle
 
 if TYPE_CHECKING:
-    from mpexec.executor.nodewire import Session
+    from mpexec.executor.nodes.wire import Session
 
 
 class NodeServerLink(Protocol):
@@ -33,15 +34,19 @@ class NodeServerLink(Protocol):
 class RemoteNodeHandle:
     """A follower node, as one entry among the lifecycle's worker handles."""
 
-    def __init__(self, server: NodeServerLink, node_rank: int, ranks: range) -> None:
+    def __init__(self, server: NodeServerLink, node_rank: int, ranks: range,
+                 death_lag_s: float) -> None:
         self.server = server
+        # Its queues close before the node monitor declares it lost: how
+        # long a caller waits for that verdict.
+        self.death_lag_s = death_lag_s
         self.node_rank = node_rank
         self.ranks = ranks
         self.rank = ranks.start
         self.identity: bytes | None = None
         self.session: Session | None = None
         self.reply_handles: dict[int, Handle] = {}
-        # (when, the monitor's lateness then): see nodewire.Liveness
+        # (when, the monitor's lateness then): see wire.Liveness
         self.heard: tuple[float, float] = (time.monotonic(), 0.0)
         self.how = ""
         self.remote_traceback = ""  # of the worker whose failure the node reported
@@ -57,15 +62,7 @@ class RemoteNodeHandle:
 
     @property
     def pid(self) -> int | None:
-        return None
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    @property
-    def ready_conn(self) -> None:
-        return None
+        return None  # its workers' processes are on the follower
 
     @property
     def death_fd(self) -> int:
@@ -91,14 +88,10 @@ class RemoteNodeHandle:
     def join(self, timeout: float | None) -> None:
         self.gone.wait(timeout)
 
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.how or f"{self.name} ended"
-
-    def close_ready(self) -> None:
-        pass
+    def describe_exit(self) -> WorkerExit:
+        rank = self.rank if self.failed_rank is None else self.failed_rank
+        return WorkerExit(rank, None, None, self.how or f"{self.name} ended",
+                          remote_traceback=self.remote_traceback)
 
     def close_death_pipe(self) -> None:
         self.server.request_bye(self)

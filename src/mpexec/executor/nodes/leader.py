@@ -1,6 +1,6 @@
 """The leader's side of an executor spanning several nodes.
 
-The protocol is drawn in ``nodewire``.  :class:`NodeServer` binds the node
+The protocol is drawn in ``wire``.  :class:`NodeServer` binds the node
 control socket at ``master_addr:master_port``; from ``admit`` on, one thread
 (the node monitor) owns that socket: it answers every follower's JOIN with
 its CONFIG, records the reply-queue handles each READY brings, and runs the
@@ -32,10 +32,11 @@ import cloudpickle
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import WorkerStartupError
-from mpexec.executor.launch import wait_for_ready
-from mpexec.executor.launcher import WorkerHandle
-from mpexec.executor.node_handle import RemoteNodeHandle
-from mpexec.executor.nodewire import (
+from mpexec.executor.launcher import WatchedWorker
+from mpexec.executor.local.launcher import LocalWorkerHandle
+from mpexec.executor.local.ready import wait_for_ready
+from mpexec.executor.nodes.handle import RemoteNodeHandle
+from mpexec.executor.nodes.wire import (
     NONCE,
     Liveness,
     NodeAssignment,
@@ -101,8 +102,11 @@ class NodeServer:
             self._context.term()
             raise OSError(f"cannot bind the node channel at {host}:{port}: {exc}") from exc
         self._sock = sock
+        # A node's queues close before it is declared lost (silent for
+        # timeout_s, noticed within two heartbeats): how long a caller waits.
+        lag_s = max(1.0, timeout_s + 2 * heartbeat_s)
         self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
-                                                         (r + 1) * local_world_size))
+                                                         (r + 1) * local_world_size), lag_s)
                       for r in range(1, nnodes)}
         # What a follower must say it was started with: the executor's
         # nnodes (``nnodes`` above counts only this data parallel rank's).
@@ -367,7 +371,7 @@ def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
 
 # -- the leader's multi-node steps of MultiprocExecutor's start-up -----------------------
 
-def admit_followers(cluster: NodeServer, handles: list[WorkerHandle], config: ExecutorConfig,
+def admit_followers(cluster: NodeServer, handles: list[WatchedWorker], config: ExecutorConfig,
                     broadcast: Handle, init_method: str, deadline: float,
                     ) -> dict[int, RemoteNodeHandle]:
     """Add each follower node to ``handles`` (the lifecycle's), then wait for
@@ -387,7 +391,7 @@ def admit_followers(cluster: NodeServer, handles: list[WorkerHandle], config: Ex
     return remote
 
 
-def reply_handles_when_ready(local: list[WorkerHandle], cluster: NodeServer | None,
+def reply_handles_when_ready(local: list[LocalWorkerHandle], cluster: NodeServer | None,
                              deadline: float, timeout_s: float,
                              tick: Callable[[], None] | None = None,
                              tick_s: float = 0.05) -> dict[int, Handle]:

@@ -8,7 +8,7 @@ actor hosts the same pieces a worker process does::
                        load_model; on the "shm" path also attach the broadcast
                        queue and create the reply queue (WorkerProc does all of
                        it; remote ends for an actor off the driver's Ray node,
-                       as ``queues`` says, see ``ray_queues``); returns
+                       as ``queues`` says, see ``queues``); returns
                        (pid, node id, reply handle or None)
     serve()            "shm" path: the queue handshake, then WorkerProc's busy
                        loop until the driver closes the broadcast queue
@@ -36,7 +36,7 @@ import cloudpickle
 from mpexec.errors import QueueClosedError
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.protocol import Reply, capture_failure
-from mpexec.executor.ray_queues import ActorQueues
+from mpexec.executor.ray.queues import ActorQueues
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.worker_base import WorkerWrapperBase

@@ -2,8 +2,8 @@
 
 ::
 
-    leader (MultiprocExecutor, node 0)             follower node R (``node``)
-    ----------------------------------             --------------------------
+    leader (MultiprocExecutor, node 0)             follower node R (``follower``)
+    ----------------------------------             ------------------------------
     NodeServer: ROUTER bound at                    NodeClient: DEALER connects to
     master_addr:master_port                        master_addr:master_port
                           <------- JOIN(R, nonce, version, nnodes)   (join key)

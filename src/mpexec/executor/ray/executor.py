@@ -2,13 +2,14 @@
 
 ::
 
-    driver (RayExecutor)                          actor r (ray_actor.RayWorkerActor)
+    driver (RayExecutor)                          actor r (actor.RayWorkerActor)
     --------------------                          ----------------------------------
-    RaySession.open, place_workers (ray_cluster)
+    RaySession.open, place_workers (cluster)
     actor r created in bundle r  ------------->   start(): worker_cls(context), init_device,
                                                   load_model (+ queues on the "shm" path)
     wait_exit() in group "supervise" ------->     blocks while the actor lives
-    watcher thread: ray.wait(liveness refs)       (resolves with an error when it dies)
+    death watch: ray.wait(liveness refs)          (resolves with an error when it dies)
+      -> the handle's death pipe -> the lifecycle's monitor (as for a pidfd)
 
 Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
 
@@ -18,21 +19,23 @@ Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
     queue, exactly as for worker processes (``serve()`` runs WorkerProc's
     busy loop).  Actors on the driver's Ray node read shared memory, actors
     on other Ray nodes the same queues over the network (remote readers,
-    authenticated with a per-executor secret; see ``ray_queues``).
+    authenticated with a per-executor secret; see ``queues``).
 ``"ray"``
     each call is one ``actor.execute.remote(call)`` per actor (the call
     ``ray.put`` once when there are several actors) and each reply is read
-    with ``ray.get`` (``ray_replies``); works wherever the actors are.
+    with ``ray.get`` (``replies``); works wherever the actors are.
 
 Either way the calls in flight are the same ``CallOrder`` as for
 MultiprocExecutor (only the reply reader differs), so ordering, deadlines,
-``non_block`` futures, typed ``WorkerError`` and stats are the same code;
-and the actors are ``WorkerHandle``s of the same ``Lifecycle``, so failure
-and teardown follow the same table.  A dead actor (killed, its node lost,
-raised in start-up) is seen by the watcher (its liveness ref fails) or by a
-reader (``ray.get`` fails, or its queue closes): the executor fails once,
-every call gets ``WorkerDiedError`` naming the rank and the node, and the
-failure callbacks run once.  ``shutdown()``: the workers' own shutdown
+``non_block`` futures, typed ``WorkerError`` and stats are the same code
+(``driver.Driver``); and the actors are ``WatchedWorker``s of the same
+``Lifecycle``, so failure and teardown follow the same table.  A dead actor
+(killed, its node lost, raised in start-up) is seen by the death watch (its
+liveness ref fails: the handle's death descriptor becomes readable and the
+lifecycle's one monitor fails the executor) or by a reader (``ray.get``
+fails, or its queue closes): the executor fails once, every call gets
+``WorkerDiedError`` naming the rank and the node, and the failure callbacks
+run once.  ``shutdown()``: the workers' own shutdown
 (bounded by ``shutdown_grace_s``), ``ray.kill`` every actor, remove the
 placement group, stop Ray if this executor started it.
 """
@@ -44,52 +47,75 @@ import os
 import re
 import threading
 import time
-import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError, WorkerStartupError
-from mpexec.executor.futures import CallOrder
-from mpexec.executor.launch import handshake
+from mpexec.executor.driver import Driver
+from mpexec.executor.futures import ReplyReader
+from mpexec.executor.handshake import handshake
+from mpexec.executor.launcher import WorkerExit
 from mpexec.executor.lifecycle import Lifecycle, State
-from mpexec.executor.multiproc import MultiprocExecutor
-from mpexec.executor.ray_actor import SUPERVISE_GROUP, RayWorkerActor
-from mpexec.executor.ray_cluster import (
+from mpexec.executor.ray.actor import SUPERVISE_GROUP, RayWorkerActor
+from mpexec.executor.ray.cluster import (
     RaySession,
     actor_runtime_env,
     bundles_for,
     place_workers,
     remove_group,
 )
-from mpexec.executor.ray_queues import broadcast_queue, plan_queues, reply_queue
-from mpexec.executor.ray_replies import RayReplies
+from mpexec.executor.ray.queues import broadcast_queue, plan_queues, reply_queue
+from mpexec.executor.ray.replies import RayReplies
 from mpexec.executor.spec import PortReservation, worker_contexts
 
 logger = logging.getLogger(__name__)
 
 _WATCH_SLICE_S = 0.2
+_DEATH_LAG_S = 1.0
 _CAUSE_WAIT_S = 1.0
 
 
 class RayWorkerHandle:
-    """One actor as the lifecycle sees a worker (``launcher.WorkerHandle``)."""
+    """One actor as the lifecycle sees a worker (``launcher.WatchedWorker``)."""
 
-    exitcode = None
-    ready_conn = None
-    death_fd = -1
-
-    def __init__(self, ray: Any, rank: int, actor: Any) -> None:
+    def __init__(self, ray: Any, rank: int, actor: Any, driver_node: str,
+                 remote_lag_s: float) -> None:
         self.ray = ray
         self.rank = rank
         self.actor = actor
+        self.driver_node = driver_node
+        self.remote_lag_s = remote_lag_s
         self.liveness = actor.wait_exit.options(concurrency_group=SUPERVISE_GROUP).remote()
         self.pid: int | None = None
         self.node_id = "?"
+        # Written by the actors' death watch when Ray reports the actor gone:
+        # the lifecycle's monitor polls it like a local worker's pidfd.
+        self._death_r, self._death_w = os.pipe()
+        self._fd_lock = threading.Lock()
+
+    @property
+    def death_fd(self) -> int:
+        return self._death_r
+
+    def gone(self) -> None:
+        """The death watch saw the actor's liveness ref resolve."""
+        with self._fd_lock:
+            if self._death_w >= 0:
+                os.write(self._death_w, b"x")
 
     @property
     def name(self) -> str:
         return f"RayWorker-{self.rank}"
+
+    @property
+    def death_lag_s(self) -> float:
+        """An actor on another Ray node closes its queues before Ray reports it
+        (or its node) gone: as long as a follower node's verdict."""
+        if self.node_id in ("?", self.driver_node):
+            return _DEATH_LAG_S
+        return max(_DEATH_LAG_S, self.remote_lag_s)
 
     def is_alive(self) -> bool:
         ready, _ = self.ray.wait([self.liveness], timeout=0)
@@ -128,14 +154,9 @@ class RayWorkerHandle:
     def join(self, timeout: float | None) -> None:
         self.ray.wait([self.liveness], timeout=timeout)
 
-    def wait_exitcode(self, timeout: float = 0.0) -> int | None:
-        return None
-
-    def describe_exit(self) -> str:
-        return self.why_gone()
-
-    def close_ready(self) -> None:
-        pass
+    def describe_exit(self) -> WorkerExit:
+        return WorkerExit(self.rank, self.pid, None, self.why_gone(),
+                          who=f"worker rank {self.rank} (pid {self.pid})")
 
     def close_death_pipe(self) -> None:
         self.kill()  # an actor has no death pipe: ending it is the message
@@ -144,55 +165,52 @@ class RayWorkerHandle:
         pass
 
     def close(self) -> None:
-        pass
+        with self._fd_lock:
+            for fd in (self._death_r, self._death_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._death_r = self._death_w = -1
 
     def __repr__(self) -> str:
         return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
 
 
-class RayExecutor(MultiprocExecutor):
+class RayExecutor(Driver):
     """The executor interface on Ray; see the module docstring."""
 
     supports_pp = True
     uses_ray = True
 
+    # The "ray" call path's reply reader (``_reply_reader``), else None.
+    ray_replies: RayReplies | None = None
+
     def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
+        super().__init__(config, monitor_workers)
         self.call_path = config.ray_call_path
         self.session: RaySession | None = None
         self.placement_group: Any = None
+        self.actors: list[RayWorkerHandle] = []
         self._ray_state = _RayState(config)
-        super().__init__(config, monitor_workers)
 
-    def _init_executor(self) -> None:
+    def _reply_reader(self) -> ReplyReader:
+        """On the "ray" call path each reply is one ``ray.get`` (``replies``)."""
+        if self.config.ray_call_path != "ray":
+            return super()._reply_reader()
+        self.ray_replies = RayReplies(self)
+        return self.ray_replies
+
+    def _closer(self) -> Callable[[], None]:
+        """The lifecycle's close, and what Ray holds (placement group, a Ray
+        this executor started)."""
+        return partial(_close, self.lifecycle, self._ray_state)
+
+    def _start_workers(self, deadline: float) -> None:
         config, life, state = self.config, self.lifecycle, self._ray_state
         if self.parallel_config.nnodes_within_dp > 1:
             raise NotImplementedError("executor_backend 'ray' places workers on nodes itself: "
                                       "leave nnodes at 1 (per data parallel rank)")
         if config.shared_worker_lock:
             raise ValueError("shared_worker_lock is not available with executor_backend 'ray'")
-        # The actors are handles of the same lifecycle; the finalizer also
-        # ends what Ray holds (placement group, a Ray this executor started).
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, partial(_close, life, state))
-        if self.call_path == "ray":
-            self.replies = RayReplies(self)  # type: ignore[assignment]
-            self.calls = life.calls = CallOrder(self.replies)
-            self.calls.stats = self.call_stats
-        deadline = time.monotonic() + config.startup_timeout_s
-        try:
-            self._start_actors(deadline)
-            if state.watcher is None:
-                state.start_watcher(life)
-            life.mark_ready()
-            self._post_init_executor()
-        except BaseException:
-            self._finalizer()
-            raise
-        if life.port is not None:
-            life.port.close()
-
-    def _start_actors(self, deadline: float) -> None:
-        config, life, state = self.config, self.lifecycle, self._ray_state
         session = self.session = state.session = RaySession.open(config.ray_address)
         ray = session.ray
         group = self.placement_group = state.group = place_workers(
@@ -214,20 +232,23 @@ class RayExecutor(MultiprocExecutor):
         # The driver's code directories, so that its worker class imports there too.
         runtime_env = actor_runtime_env(session)
         extra: dict[str, Any] = {} if runtime_env is None else {"runtime_env": runtime_env}
-        handles: list[RayWorkerHandle] = []
+        handles = self.actors
+        remote_lag_s = config.node_timeout_s + 2 * config.node_heartbeat_s
         for ctx in worker_contexts(config, life.port.init_method):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
             actor = actor_cls.options(scheduling_strategy=strategy, **extra).remote(
                 ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
                 os.getpriority(os.PRIO_PROCESS, 0))
-            handles.append(RayWorkerHandle(ray, ctx.rank, actor))
+            handles.append(RayWorkerHandle(ray, ctx.rank, actor, session.node_id, remote_lag_s))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
                                       runtime_env)
         if plan is None:
-            assert isinstance(self.replies, RayReplies)
-            self.replies.attach(ray, handles)
+            assert self.ray_replies is not None
+            self.ray_replies.attach(ray, handles)
+            state.watch_deaths(handles)
+            life.start_monitor()
             return
         for h in handles:
             if h.node_id != plan.rank_nodes[h.rank]:  # Ray broke the bundle's pinning
@@ -241,8 +262,9 @@ class RayExecutor(MultiprocExecutor):
         self.replies.attach(self.response_mqs, self.calls.lock)
         state.serve_refs = [h.actor.serve.remote() for h in handles]
         assert self.rpc_broadcast_mq is not None
-        # A remote reader cannot see its peer die: the watcher, already, can.
-        state.start_watcher(life)
+        # A remote reader cannot see its peer die: the death watch, already, can.
+        state.watch_deaths(handles)
+        life.start_monitor()
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
                   explain_closed=partial(_death_in_handshake, life))
 
@@ -252,27 +274,17 @@ class RayExecutor(MultiprocExecutor):
     def death_verdict_s(self) -> float:
         """Actors on several Ray nodes: as long as for multi-node mp's nodes."""
         session = self.session
-        if session is None or all(getattr(h, "node_id", "?") in ("?", session.node_id)
-                                  for h in self.workers):
+        if session is None or all(h.node_id in ("?", session.node_id) for h in self.actors):
             return super().death_verdict_s
         config = self.config
         return config.node_timeout_s + 2 * config.node_heartbeat_s
-
-    def _dying_wait_s(self, handle: Any) -> float:
-        """An actor on another Ray node closes its queues before Ray reports it
-        (or its node) gone: wait as long as for a follower node's verdict."""
-        wait = super()._dying_wait_s(handle)
-        session = self.session
-        if session is not None and getattr(handle, "node_id", "?") not in ("?", session.node_id):
-            wait = max(wait, self.death_verdict_s)
-        return wait
 
     def _closed_error(self, rank: int | None, exc: QueueClosedError) -> Exception:
         life = self.lifecycle
         if life.state in (State.READY, State.STARTING):
             handle: Any = self._dead_worker(rank, exc)
             if handle is not None:
-                life.worker_gone(handle, handle.why_gone())
+                life.worker_gone(handle)
         return life.closed_error()
 
     # -- calls ----------------------------------------------------------------------
@@ -281,8 +293,8 @@ class RayExecutor(MultiprocExecutor):
         if self.call_path == "shm":
             super()._broadcast(message, deadline, name)
             return
-        assert isinstance(self.replies, RayReplies)
-        self.replies.submit(message)
+        assert self.ray_replies is not None
+        self.ray_replies.submit(message)
 
 
 def _death_in_handshake(life: Lifecycle, exc: QueueClosedError) -> WorkerStartupError | None:
@@ -371,23 +383,21 @@ class _RayState:
         self.watcher: threading.Thread | None = None
         self.stop = threading.Event()
 
-    def start_watcher(self, life: Lifecycle) -> None:
+    def watch_deaths(self, handles: list[RayWorkerHandle]) -> None:
+        """The actors' death watch: each actor's liveness ref resolving (it
+        died, its node was lost) becomes its handle's death descriptor, which
+        the lifecycle's monitor polls with everything else."""
         assert self.session is not None
-        handles: list[Any] = list(life.handles)
         ray, stop = self.session.ray, self.stop
 
         def watch() -> None:
             by_ref = {h.liveness: h for h in handles}
-            while not stop.is_set():
+            while by_ref and not stop.is_set():
                 ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
-                if ready:
-                    handle = by_ref[ready[0]]
-                    if life.worker_died(handle, handle.why_gone()):
-                        life.fire_callbacks()
-                        life.teardown()
-                    return
+                for ref in ready:
+                    by_ref.pop(ref).gone()
 
-        self.watcher = threading.Thread(target=watch, daemon=True, name="RayWorkerMonitor")
+        self.watcher = threading.Thread(target=watch, daemon=True, name="RayDeathWatch")
         self.watcher.start()
 
     def end_workers_gently(self, life: Lifecycle) -> None:
@@ -418,12 +428,7 @@ class _RayState:
 def _close(life: Lifecycle, state: _RayState) -> None:
     if os.getpid() != life.owner_pid:
         return
-    with life.lock:
-        orderly = life.state is State.READY
-        if life.state is not State.FAILED:
-            life.state = State.CLOSED
-            life.usable = False
-    if orderly:
+    if life.begin_close():
         try:
             state.end_workers_gently(life)
         except Exception:
