@@ -37,6 +37,18 @@ class MpexecError(Exception):
     """Base class of every error mpexec raises on purpose."""
 
 
+class PeerDeathSymptom(MpexecError):
+    """Marker base class: an error a worker may raise *because a peer died*.
+
+    A collective whose peer exited (:class:`CollectiveFailedError`), a queue
+    whose other end died (:class:`PeerDiedError`).  Such an error can reach
+    the driver before the executor has declared the death behind it, so the
+    driver waits, bounded, for that verdict before raising it (see
+    ``mpexec.executor.verdict``).  A worker's error carries the mark across
+    the process boundary as ``WorkerError.peer_death_symptom``.
+    """
+
+
 class QueueClosedError(MpexecError, RuntimeError):
     """The queue was shut down; nothing more can be sent or received on it.
 
@@ -55,7 +67,7 @@ class UndecodableMessageError(MpexecError, ValueError):
     """
 
 
-class PeerDiedError(QueueClosedError):
+class PeerDiedError(QueueClosedError, PeerDeathSymptom):
     """The writer (seen from a reader) or a reader (seen from the writer) died.
 
     ``pid`` is the process that died and ``role`` says which end it was
@@ -80,8 +92,9 @@ class WorkerError(MpexecError, RuntimeError):
 
     The remote exception is described by ``exc_type`` (its qualified type name)
     and ``remote_traceback`` (the formatted traceback, as text).  When the
-    exception could be pickled it is also attached as ``__cause__``.  The
-    executor stays usable after this error.
+    exception could be pickled it is also attached as ``__cause__``.
+    ``peer_death_symptom`` is True when the remote exception was a
+    :class:`PeerDeathSymptom`.  The executor stays usable after this error.
     """
 
     def __init__(
@@ -93,6 +106,7 @@ class WorkerError(MpexecError, RuntimeError):
         method: str,
         exc_type: str,
         remote_traceback: str,
+        peer_death_symptom: bool = False,
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -100,6 +114,7 @@ class WorkerError(MpexecError, RuntimeError):
         self.method = method
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.peer_death_symptom = peer_death_symptom
 
     def __str__(self) -> str:
         base = super().__str__()
@@ -163,16 +178,16 @@ class WorkerStartupError(MpexecError, RuntimeError):
         return f"{base}\n\nWorker traceback (rank {self.rank}):\n{self.remote_traceback}"
 
 
-class CollectiveFailedError(MpexecError, RuntimeError):
+class CollectiveFailedError(PeerDeathSymptom, RuntimeError):
     """A collective or point-to-point call of a process group failed.
 
     Raised inside a worker by ``mpexec.distributed`` when torch.distributed
     (gloo, NCCL) or a shared-memory channel of a group fails, usually because
     a peer of the group died or lost its connection.  The original exception
-    is the ``__cause__`` and its message is part of this one.  The driver
-    sees it as a :class:`WorkerError` whose ``exc_type`` names this class,
-    and treats it as the possible symptom of a death (see
-    ``mpexec.executor.verdict``).
+    is the ``__cause__`` and its message is part of this one.  A
+    :class:`PeerDeathSymptom`: the driver sees it as a :class:`WorkerError`
+    with ``peer_death_symptom`` set and waits for the executor's verdict on
+    the death behind it (see ``mpexec.executor.verdict``).
     """
 
 

@@ -19,7 +19,14 @@ import pytest
 
 from mpexec.config import ExecutorConfig, ParallelConfig
 from mpexec.engine import EngineDeadError
-from mpexec.errors import CollectiveFailedError, WorkerDiedError, WorkerError
+from mpexec.errors import (
+    CollectiveFailedError,
+    PeerDeathSymptom,
+    PeerDiedError,
+    QueueClosedError,
+    WorkerDiedError,
+    WorkerError,
+)
 from mpexec.executor import verdict
 from mpexec.outputs import SamplingParams
 
@@ -30,13 +37,15 @@ def config(**fields: Any) -> ExecutorConfig:
     return ExecutorConfig(worker_cls="tests.engine.fake_worker:FakeModelWorker", **fields)
 
 
-def worker_error(exc_type: str) -> WorkerError:
-    return WorkerError("worker rank 0 raised", rank=0, pid=1, method="execute_model",
-                       exc_type=exc_type, remote_traceback="")
+def worker_error(exc: BaseException) -> WorkerError:
+    """The driver's view of ``exc`` raised in a worker, as the reply carries it."""
+    from mpexec.executor.protocol import capture_failure, worker_error as to_worker_error
+
+    return to_worker_error(0, 1, "execute_model", capture_failure(exc))
 
 
 class FakeExecutor:
-    """Fails (``is_failed``) when ``fail`` is set; check_health then says who died."""
+    """Fails (``is_failed``) when ``fail`` is set; ``failure`` then says who died."""
 
     def __init__(self, nnodes: int = 1) -> None:
         self.config = config(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=nnodes))
@@ -50,8 +59,11 @@ class FakeExecutor:
     def death_verdict_s(self) -> float:  # as Executor's
         return verdict.death_verdict_s(self.config)
 
-    def check_health(self) -> None:
-        raise WorkerDiedError("worker rank 1 (pid 2) died", rank=1, pid=2, exitcode=-9)
+    @property
+    def failure(self) -> BaseException | None:
+        if not self.fail.is_set():
+            return None
+        return WorkerDiedError("worker rank 1 (pid 2) died", rank=1, pid=2, exitcode=-9)
 
 
 class Patience:
@@ -67,13 +79,26 @@ class Patience:
         self._timer.join(5)
 
 
-def test_only_collective_failures_are_symptoms_of_a_death() -> None:
-    for name in ("mpexec.errors.CollectiveFailedError",
-                 "mpexec.distributed.liveness.PeerDiedInCollectiveError",
-                 "mpexec.errors.PeerDiedError"):
-        assert verdict.may_follow_a_death(worker_error(name))
-    for name in ("ValueError", "RuntimeError", "KeyError", "torch.OutOfMemoryError"):
-        assert not verdict.may_follow_a_death(worker_error(name))
+class UnpicklableCollectiveError(CollectiveFailedError):
+    def __reduce__(self) -> Any:
+        raise TypeError("not picklable")
+
+
+def test_only_peer_death_symptoms_are_symptoms_of_a_death() -> None:
+    pytest.importorskip("torch")
+    from mpexec.distributed.liveness import PeerDiedInCollectiveError
+
+    symptoms = [CollectiveFailedError("gloo reset"),
+                PeerDiedInCollectiveError("rank 1 exited", dead={1: 7}),
+                PeerDiedError("the writer died", pid=7, role="writer"),
+                UnpicklableCollectiveError("the mark travels without the pickle")]
+    for exc in symptoms:
+        assert isinstance(exc, PeerDeathSymptom)
+        assert verdict.may_follow_a_death(worker_error(exc)), exc
+    assert worker_error(symptoms[-1]).__cause__ is None
+    for exc in (ValueError("x"), RuntimeError("y"), KeyError("z"),
+                QueueClosedError("closed, nobody died")):
+        assert not verdict.may_follow_a_death(worker_error(exc)), exc
     assert not verdict.may_follow_a_death(CollectiveFailedError("not a WorkerError"))
     assert verdict.death_verdict_s(config()) == verdict.ONE_NODE_VERDICT_S
     two = config(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=2),
@@ -91,7 +116,7 @@ def test_a_plain_worker_error_is_not_held_back(monkeypatch: pytest.MonkeyPatch,
                                                   node_heartbeat_s=1.0)
     patience = Patience()
     try:
-        assert verdict.death_behind(executor, worker_error("ValueError")) is None  # type: ignore[arg-type]
+        assert verdict.death_behind(executor, worker_error(ValueError("bad"))) is None  # type: ignore[arg-type]
         assert not patience.spent.is_set()
     finally:
         patience.stop()
@@ -101,7 +126,7 @@ def test_a_collective_failure_waits_for_the_death_and_raises_it() -> None:
     executor = FakeExecutor()
     threading.Timer(0.05, executor.fail.set).start()
     died = verdict.death_behind(executor, worker_error(  # type: ignore[arg-type]
-        "mpexec.distributed.liveness.PeerDiedInCollectiveError"))
+        CollectiveFailedError("rank 1 exited")))
     assert isinstance(died, WorkerDiedError) and died.rank == 1
 
 
@@ -110,7 +135,7 @@ def test_a_collective_failure_without_a_death_stays_the_workers_error(
     monkeypatch.setattr(verdict, "ONE_NODE_VERDICT_S", 0.05)
     executor = FakeExecutor()
     assert verdict.death_behind(executor, worker_error(  # type: ignore[arg-type]
-        "mpexec.errors.CollectiveFailedError")) is None
+        CollectiveFailedError("gloo timed out"))) is None
 
 
 def test_the_collective_guard_keeps_the_cause_and_its_message() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import cloudpickle
 
-from mpexec.errors import WorkerError
+from mpexec.errors import PeerDeathSymptom, WorkerError
 from mpexec.ipc import Handle
 from mpexec.outputs import KVOutputAggregator
 
@@ -60,6 +60,8 @@ class RemoteFailure:
     traceback: str
     # cloudpickle of the exception itself, None when it could not be pickled
     pickled: bytes | None
+    # the exception was a PeerDeathSymptom (known even when it did not pickle)
+    peer_death_symptom: bool = False
 
     def exception(self) -> BaseException | None:
         """The original exception, when it survives the trip."""
@@ -107,6 +109,7 @@ def capture_failure(exc: BaseException, context: str = "") -> RemoteFailure:
         message=f"{context}: {message}" if context else message,
         traceback="".join(traceback.format_exception(exc)),
         pickled=pickled,
+        peer_death_symptom=isinstance(exc, PeerDeathSymptom),
     )
 
 
@@ -115,7 +118,7 @@ def worker_error(rank: int, pid: int, method: str, failure: RemoteFailure) -> Wo
     error = WorkerError(
         f"worker rank {rank} raised {failure.exc_type} in {method}: {failure.message}",
         rank=rank, pid=pid, method=method, exc_type=failure.exc_type,
-        remote_traceback=failure.traceback)
+        remote_traceback=failure.traceback, peer_death_symptom=failure.peer_death_symptom)
     error.__cause__ = failure.exception()
     return error
 

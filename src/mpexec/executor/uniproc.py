@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import QueueClosedError, WorkerError
+from mpexec.errors import PeerDeathSymptom, QueueClosedError, WorkerError
 from mpexec.executor.abstract import Executor, check_call
 from mpexec.executor.protocol import qualified_type_name
 from mpexec.executor.spec import init_method, worker_contexts
@@ -130,7 +130,8 @@ class UniProcExecutor(Executor):
             error = WorkerError(
                 f"worker rank 0 raised {qualified_type_name(exc)} in {name}: {exc}",
                 rank=0, pid=os.getpid(), method=name, exc_type=qualified_type_name(exc),
-                remote_traceback="".join(traceback.format_exception(exc)))
+                remote_traceback="".join(traceback.format_exception(exc)),
+                peer_death_symptom=isinstance(exc, PeerDeathSymptom))
             error.__cause__ = exc
             future.set_exception(error)
             return

@@ -9,11 +9,11 @@ waits - bounded - for the executor's verdict::
     error out of a call                         what the caller raises
     -----------------------------------------   -------------------------------------
     WorkerDiedError                             it, at once
-    WorkerError whose exc_type is a collective  wait up to death_verdict_s(config)
-      failing (CollectiveFailedError,           for the executor to fail: failed ->
-      PeerDiedInCollectiveError, or a worker's  its WorkerDiedError (the worker's
-      MessageQueue's PeerDiedError)              error as __cause__); else the
-                                                WorkerError
+    WorkerError with peer_death_symptom: the    wait up to death_verdict_s(config)
+      worker raised a PeerDeathSymptom (a       for the executor to fail: failed ->
+      CollectiveFailedError such as             its first failure, the
+      PeerDiedInCollectiveError, or a queue's   WorkerDiedError naming the rank
+      PeerDiedError)                            that died; else the WorkerError
     any other WorkerError (ValueError, ...)     it, at once
     QueueClosedError (the executor is shut      it, or the executor's WorkerDiedError
       down: the executor already decided)       if it has failed; no wait
@@ -48,16 +48,11 @@ class Verdicts(Protocol):
     def is_failed(self) -> bool: ...
 
     @property
+    def failure(self) -> BaseException | None: ...
+
+    @property
     def death_verdict_s(self) -> float: ...
 
-    def check_health(self) -> None: ...
-
-# The exc_type (qualified type name) of the worker errors a peer's death causes.
-PEER_DEATH_SYMPTOMS = frozenset({
-    "mpexec.errors.CollectiveFailedError",
-    "mpexec.distributed.liveness.PeerDiedInCollectiveError",
-    "mpexec.errors.PeerDiedError",  # a shared-memory point-to-point channel's dead peer
-})
 
 # How long a collective's failure may precede the executor's verdict on one node.
 ONE_NODE_VERDICT_S = 0.5
@@ -96,7 +91,7 @@ def closing_rank(exc: QueueClosedError, start_rank: int) -> int | None:
 
 def may_follow_a_death(exc: BaseException) -> bool:
     """True for a worker error that a peer's death can cause (see the table)."""
-    return isinstance(exc, WorkerError) and exc.exc_type in PEER_DEATH_SYMPTOMS
+    return isinstance(exc, WorkerError) and exc.peer_death_symptom
 
 
 def death_verdict_s(config: ExecutorConfig) -> float:
@@ -110,8 +105,9 @@ def death_behind(executor: Verdicts, exc: BaseException) -> WorkerDiedError | No
     """The executor's ``WorkerDiedError`` if a death lies behind ``exc``, else None
     (``exc`` itself a WorkerDiedError: None, raise it as it is).
 
-    Waits (up to ``executor.death_verdict_s``) only for an error in
-    ``PEER_DEATH_SYMPTOMS``.
+    Waits (up to ``executor.death_verdict_s``) only for a worker error marked
+    ``peer_death_symptom``.  The verdict is the executor's first failure, as
+    its death watch recorded it.
     """
     if may_follow_a_death(exc):
         deadline = time.monotonic() + executor.death_verdict_s
@@ -121,15 +117,9 @@ def death_behind(executor: Verdicts, exc: BaseException) -> WorkerDiedError | No
         return None
     if not executor.is_failed:
         return None
-    try:
-        executor.check_health()
-    except WorkerDiedError as died:
-        return died
-    except Exception:  # any other answer: keep the original error
-        return None
-    return None
+    failure = executor.failure
+    return failure if isinstance(failure, WorkerDiedError) else None
 
 
-__all__ = ["PEER_DEATH_SYMPTOMS", "closing_rank", "death_behind", "death_verdict_s",
-           "first_gone",
+__all__ = ["closing_rank", "death_behind", "death_verdict_s", "first_gone",
            "may_follow_a_death"]

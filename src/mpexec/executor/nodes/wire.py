@@ -64,7 +64,7 @@ MAX_CONTROL_BYTES = 64 << 20
 NONCE = struct.Struct("<Q")
 # The node channel's protocol: raise it whenever a frame, a MAC or the
 # assignment changes (together with mpexec's version it must match across nodes).
-NODE_PROTOCOL = 3
+NODE_PROTOCOL = 4
 VERSION_REFUSED = "version mismatch"
 LAYOUT_REFUSED = "layout mismatch"
 
