@@ -1,0 +1,102 @@
+"""Weights kept packed in memory, multiplied by torch's weight-only CPU kernels.
+
+    Int4Weight   4-bit values, groups of 32 along the input, each with a scale s
+                 and a zero z:  w = s·(q − 8) + z            (q in 0..15)
+                 aten._convert_weight_to_int4pack_for_cpu (at load)
+                 aten._weight_int4pack_mm_for_cpu          (per step)
+    Int8Weight   int8 values, one scale per output row:  w = s·q
+                 aten._weight_int8pack_mm; an embedding lookup gathers rows
+
+GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) map onto ``Int4Weight`` exactly — a
+group's ``x = scale·q + minimum`` is ``scale·(q − 8) + (minimum + 8·scale)``
+— up to the kernel's bfloat16 scales.  Every other quantised type is
+re-quantised to ``Int8Weight`` from its float values (per-row scale
+``max|w| / 127``).
+
+Both kernels take bfloat16 activations (on this AVX-512 BF16 CPU the float32
+and float16 paths are 10-30× slower than a float32 matmul: a reference loop),
+so ``x`` is rounded to bfloat16 on the way in and the result is widened back
+to ``x.dtype``.  The int4 packer wants whole tiles of 16 output rows: the
+weight is padded with zero rows and the padding trimmed from each result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_KERNEL_DTYPE = torch.bfloat16
+GROUP = 32
+_ROW_TILE = 16
+
+
+class Int4Weight:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        """``q`` (out, in) in 0..15; ``scale``, ``minimum`` (out, in / 32): x = scale·q + minimum."""
+        rows, columns = q.shape
+        if columns % GROUP or scale.shape != (rows, columns // GROUP) \
+                or minimum.shape != scale.shape:
+            raise ValueError(f"4-bit weight {tuple(q.shape)} with scales {tuple(scale.shape)}: "
+                             f"need whole groups of {GROUP}")
+        pad = -rows % _ROW_TILE
+        zero = minimum + 8 * scale
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, columns)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.out_features = rows
+        self.in_features = columns
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # [in / 32, out, 2] as the kernel reads it
+        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(_KERNEL_DTYPE) \
+            .contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zeros.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
+                                                         self.scale_zeros)
+        if out.shape[-1] != self.out_features:
+            out = out[:, :self.out_features]
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Weight:
+    def __init__(self, weight: torch.Tensor) -> None:
+        """Quantise float ``weight`` (out, in) to int8 with one scale per row."""
+        weight = weight.float()
+        self.out_features, self.in_features = weight.shape
+        amax = weight.abs().amax(dim=1) if weight.numel() else weight.new_zeros(len(weight))
+        # the scale the kernel will use (bfloat16) is the one the values are rounded to
+        scale = (amax / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
+        self.scale = scale
+        self.row_scale = scale.float()
+        self.q = torch.round(weight / self.row_scale[:, None]).clamp(-127, 127) \
+            .to(torch.int8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` as ``dtype`` (an embedding lookup)."""
+        return (self.q[ids].to(torch.float32) * self.row_scale[ids].unsqueeze(-1)).to(dtype)
+
+
+PackedWeight = Int4Weight | Int8Weight
+Weight = torch.Tensor | Int4Weight | Int8Weight
+
+
+def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a float or a packed weight."""
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x, weight, bias)
+    out = weight(x)
+    return out if bias is None else out + bias
