@@ -80,7 +80,7 @@ class WeightBuilder:
         self.packed["float"] += 1
         return torch.cat([self.read(*part) for part in parts])
 
-    def rows(self, name: str, start: int, stop: int) -> Weight:
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor | Int8Weight:
         """Vocabulary rows ``[start, stop)`` of the embedding or the LM head."""
         if self.pack and self.checkpoint.is_quantized(name) and stop > start:
             self.packed["int8"] += 1

@@ -31,7 +31,8 @@ _ROW_TILE = 16
 
 class Int4Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        """``q`` (out, in) in 0..15; ``scale``, ``minimum`` (out, in / 32): x = scale·q + minimum."""
+        """``q`` (out, in) in 0..15; ``scale``, ``minimum`` (out, in / 32):
+        x = scale·q + minimum."""
         rows, columns = q.shape
         if columns % GROUP or scale.shape != (rows, columns // GROUP) \
                 or minimum.shape != scale.shape:

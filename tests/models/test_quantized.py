@@ -1,0 +1,244 @@
+"""Quantised GGUF weights kept packed (``quantization="auto"``) against the
+same file dequantised to float32 (``"none"``).
+
+Tolerance: 3 % of the largest logit, and the same greedy tokens.  The
+packed kernels take bfloat16 activations and bfloat16 group scales, and
+every weight that is not 4-bit (Q8_0 linears, the embedding / LM head rows)
+is re-quantised to int8 with one scale per row instead of one per 32
+elements; the re-quantisation is the larger part.  Measured on the tiny
+models below (logits up to ~16): largest difference 0.27 (Q4_0, Q4_1, Q4_K)
+and 0.33 (Q8_0; 0.36 from the int8 rows alone), mean 0.04-0.07.  A wrong
+group, scale or row order gives differences of the order of the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from tests.models.model_run_support import run_ranks  # noqa: E402
+from tests.models.test_model_layers import CPU, new_cache, run  # noqa: E402
+
+from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
+from mpexec.models.layers.quantized import Int4Weight, Int8Weight  # noqa: E402
+from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
+from mpexec.models.loader import open_checkpoint  # noqa: E402
+from mpexec.models.loader.quants import dequantize, encoding_of, four_bit_groups  # noqa: E402
+from mpexec.models.sharding import rank_share  # noqa: E402
+
+RELATIVE = 0.03
+PROMPTS = [[1, 17, 99, 230, 5, 64], [300, 2, 2, 150]]
+NEW_TOKENS = 6
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+# ── the pure parts ───────────────────────────────────────────────────────────
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_four_bit_groups_are_exactly_the_dequantised_values(qtype: str) -> None:
+    from mpexec.models.testing import _quantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    raw = _quantize(values, kind, None)
+    encoding = encoding_of(int(kind))
+    assert encoding is not None
+    q, scale, minimum = four_bit_groups(raw, encoding)
+    assert q.max() <= 15 and scale.shape == minimum.shape == (6, 16)
+    rebuilt = (q.reshape(6, 16, 32) * scale[..., None] + minimum[..., None]).reshape(6, 512)
+    np.testing.assert_array_equal(rebuilt, dequantize(raw, encoding))
+
+
+@pytest.mark.parametrize("rows", [16, 40, 3])
+def test_int4_weight_multiplies_like_its_float_values(rows: int) -> None:
+    """Rows not a multiple of 16 are padded for the packer and trimmed after."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (rows, 64), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(rows, 2, generator=generator) * 0.1
+    minimum = -torch.rand(rows, 2, generator=generator)
+    weight = Int4Weight(q, scale, minimum)
+    dense = (q.float().view(rows, 2, 32) * scale[..., None] + minimum[..., None]).view(rows, 64)
+    x = torch.randn(5, 64, generator=generator)
+    expected = x @ dense.T
+    got = weight(x)
+    assert got.shape == (5, rows) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=RELATIVE * expected.abs().max().item(), rtol=0)
+    assert weight(x[:0]).shape == (0, rows)
+
+
+def test_int8_weight_multiplies_and_looks_up_rows() -> None:
+    generator = torch.Generator().manual_seed(1)
+    dense = torch.randn(24, 64, generator=generator)
+    weight = Int8Weight(dense)
+    assert weight.q.dtype == torch.int8 and weight.nbytes == 24 * 64 + 24 * 2
+    x = torch.randn(3, 64, generator=generator)
+    expected = x @ dense.T
+    torch.testing.assert_close(weight(x), expected, atol=RELATIVE * expected.abs().max().item(),
+                               rtol=0)
+    ids = torch.tensor([0, 5, 23])
+    torch.testing.assert_close(weight.rows(ids, torch.float32), dense[ids],
+                               atol=dense.abs().max().item() / 127, rtol=0)
+
+
+# ── whole models from tiny GGUFs ─────────────────────────────────────────────
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny Llama (rows of 256: whole Q4_K super-blocks) per quantisation type."""
+    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+
+    base = tmp_path_factory.mktemp("packed")
+    directory = write_tiny_checkpoint(base / "hf", hidden_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=512,
+                                      num_hidden_layers=2)
+    return {qtype: write_tiny_gguf(base / f"{qtype}.gguf", directory, qtype=qtype)
+            for qtype in QTYPES}
+
+
+def build(path: Path, quantization: str, tp_rank: int = 0, tp: int = 1,
+          group: Any = None) -> LlamaStage:
+    with open_checkpoint(path) as checkpoint:
+        c = checkpoint.config
+        share = rank_share(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                           intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                           layers=(0, c.num_hidden_layers), tp_rank=tp_rank, tp_size=tp)
+        return load_stage(checkpoint, c, share, is_first=True, is_last=True,
+                          tp_group=group or SingleRankGroup(), dtype=torch.float32, device=CPU,
+                          max_positions=c.max_position_embeddings, quantization=quantization)
+
+
+def greedy(stage: LlamaStage) -> tuple[list[Any], list[list[int]]]:
+    """Per prompt: the prompt's logits, then NEW_TOKENS greedy tokens."""
+    cache = new_cache(stage)
+    prompt_logits, outputs = [], []
+    for index, prompt in enumerate(PROMPTS):
+        blocks = list(range(index * 8, index * 8 + 8))
+        logits = run(stage, cache, [(prompt, blocks, 0)])
+        prompt_logits.append(logits)
+        tokens, last = [], logits[-1]
+        for step in range(NEW_TOKENS):
+            tokens.append(int(last.argmax()))
+            last = run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0]
+        outputs.append(tokens)
+    return prompt_logits, outputs
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packed_model_matches_the_dequantised_one(tiny_ggufs: dict[str, Path],
+                                                  qtype: str) -> None:
+    packed = build(tiny_ggufs[qtype], "auto")
+    expected_kind = "int8" if qtype == "Q8_0" else "int4"
+    assert expected_kind in packed.packed, packed.packed
+    assert "int8" in packed.packed  # the tied embedding / head rows
+    dense = build(tiny_ggufs[qtype], "none")
+    assert dense.packed == "float"
+    got_logits, got_tokens = greedy(packed)
+    want_logits, want_tokens = greedy(dense)
+    for got, want in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=RELATIVE * want.abs().max().item(), rtol=0)
+    assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_tensor_parallel_2_packed_equals_one_rank_packed(tiny_ggufs: dict[str, Path],
+                                                        qtype: str) -> None:
+    """Each rank packs only its slice (Q4_K: o_proj and down_proj columns cut
+    through super-blocks, on 32-element group edges)."""
+    want_logits, want_tokens = greedy(build(tiny_ggufs[qtype], "auto"))
+
+    def rank(tp_rank: int, group: Any) -> Any:
+        return greedy(build(tiny_ggufs[qtype], "auto", tp_rank, 2, group))
+
+    for got_logits, got_tokens in run_ranks(2, rank):
+        for got, want in zip(got_logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=RELATIVE * want.abs().max().item(),
+                                       rtol=0)
+        assert got_tokens == want_tokens
+
+
+def test_a_rank_reads_only_its_share_of_a_packed_file(tiny_ggufs: dict[str, Path]) -> None:
+    path = tiny_ggufs["Q4_K"]
+    whole = []
+    for tp_rank in range(2):
+        with open_checkpoint(path) as checkpoint:
+            c = checkpoint.config
+            share = rank_share(num_heads=c.num_attention_heads,
+                               num_kv_heads=c.num_key_value_heads,
+                               intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                               layers=(0, c.num_hidden_layers), tp_rank=tp_rank, tp_size=2)
+            load_stage(checkpoint, c, share, is_first=True, is_last=True,
+                       tp_group=_NoCollectives(tp_rank), dtype=torch.float32, device=CPU,
+                       max_positions=64, quantization="auto")
+            whole.append(checkpoint.bytes_read)
+    size = path.stat().st_size
+    assert all(0.4 * size < n < 0.6 * size for n in whole), (whole, size)
+
+
+class _NoCollectives:
+    """A TP group of two whose collectives are never called (loading only)."""
+
+    world_size = 2
+
+    def __init__(self, rank: int) -> None:
+        self.rank_in_group = rank
+
+    def all_reduce(self, tensor: Any) -> Any:
+        raise AssertionError("no collective at load")
+
+    def all_gather(self, tensor: Any, dim: int = -1) -> Any:
+        raise AssertionError("no collective at load")
+
+
+def test_quantization_is_checked_by_name() -> None:
+    from mpexec.models.quantization import check_quantization
+
+    assert check_quantization("none") == "none"
+    with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'int3'"):
+        check_quantization("int3")
+
+
+def test_safetensors_stay_float_under_auto(tmp_path: Path) -> None:
+    from mpexec.models.testing import write_tiny_checkpoint
+
+    directory = write_tiny_checkpoint(tmp_path / "hf")
+    assert build(directory, "auto").packed == "float"
+
+
+# ── the real default model ───────────────────────────────────────────────────
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_packed_greedy_tokens_equal_dequantised(smollm2_gguf: Path) -> None:
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a small village,"]
+    with open_checkpoint(smollm2_gguf) as checkpoint:
+        tokenizer = checkpoint.tokenizer()
+        prompts = [tokenizer.encode(text) for text in texts]
+    runs = {}
+    for quantization in ("auto", "none"):
+        stage = build(smollm2_gguf, quantization)
+        cache = new_cache(stage, blocks=64)
+        outputs = []
+        for index, prompt in enumerate(prompts):
+            blocks = list(range(index * 16, index * 16 + 16))
+            last = run(stage, cache, [(prompt, blocks, 0)])[-1]
+            tokens = []
+            for step in range(16):
+                tokens.append(int(last.argmax()))
+                last = run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0]
+            outputs.append(tokens)
+        runs[quantization] = outputs
+        del stage, cache
+    assert runs["auto"] == runs["none"]
