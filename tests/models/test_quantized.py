@@ -1,14 +1,12 @@
 """Quantised GGUF weights kept packed (``quantization="auto"``) against the
 same file dequantised to float32 (``"none"``).
 
-Tolerance: 3 % of the largest logit, and the same greedy tokens.  The
-packed kernels take bfloat16 activations and bfloat16 group scales, and
-every weight that is not 4-bit (Q8_0 linears, the embedding / LM head rows)
-is re-quantised to int8 with one scale per row instead of one per 32
-elements; the re-quantisation is the larger part.  Measured on the tiny
-models below (logits up to ~16): largest difference 0.27 (Q4_0, Q4_1, Q4_K)
-and 0.33 (Q8_0; 0.36 from the int8 rows alone), mean 0.04-0.07.  A wrong
-group, scale or row order gives differences of the order of the logits.
+Tolerance: 2 % of the largest logit, and the same greedy tokens.  Q4_0,
+Q4_1, Q4_K and Q8_0 are packed exactly (Q8_0 as two int4 matmuls), but the
+kernels take bfloat16 activations and bfloat16 group scales and return
+bfloat16 results.  Measured on the tiny models below (logits up to ~16):
+largest difference 0.13-0.15, mean 0.02-0.03.  A wrong group, scale or row
+order gives differences of the order of the logits.
 """
 
 from __future__ import annotations
@@ -30,10 +28,10 @@ from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
 from mpexec.models.layers.quantized import Int4Weight, Int8Weight  # noqa: E402
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
-from mpexec.models.loader.quants import dequantize, encoding_of, four_bit_groups  # noqa: E402
+from mpexec.models.loader.quants import dequantize, encoding_of, groups_of  # noqa: E402
 from mpexec.models.sharding import rank_share  # noqa: E402
 
-RELATIVE = 0.03
+RELATIVE = 0.02
 PROMPTS = [[1, 17, 99, 230, 5, 64], [300, 2, 2, 150]]
 NEW_TOKENS = 6
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
@@ -46,8 +44,8 @@ def _one_thread() -> None:
 
 # ── the pure parts ───────────────────────────────────────────────────────────
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_four_bit_groups_are_exactly_the_dequantised_values(qtype: str) -> None:
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_groups_of_are_exactly_the_dequantised_values(qtype: str) -> None:
     from mpexec.models.testing import _quantize
 
     kind = gguf.GGMLQuantizationType[qtype]
@@ -55,8 +53,8 @@ def test_four_bit_groups_are_exactly_the_dequantised_values(qtype: str) -> None:
     raw = _quantize(values, kind, None)
     encoding = encoding_of(int(kind))
     assert encoding is not None
-    q, scale, minimum = four_bit_groups(raw, encoding)
-    assert q.max() <= 15 and scale.shape == minimum.shape == (6, 16)
+    q, scale, minimum = groups_of(raw, encoding)
+    assert q.max() <= (255 if qtype == "Q8_0" else 15) and scale.shape == minimum.shape == (6, 16)
     rebuilt = (q.reshape(6, 16, 32) * scale[..., None] + minimum[..., None]).reshape(6, 512)
     np.testing.assert_array_equal(rebuilt, dequantize(raw, encoding))
 
@@ -139,9 +137,9 @@ def greedy(stage: LlamaStage) -> tuple[list[Any], list[list[int]]]:
 def test_packed_model_matches_the_dequantised_one(tiny_ggufs: dict[str, Path],
                                                   qtype: str) -> None:
     packed = build(tiny_ggufs[qtype], "auto")
-    expected_kind = "int8" if qtype == "Q8_0" else "int4"
-    assert expected_kind in packed.packed, packed.packed
-    assert "int8" in packed.packed  # the tied embedding / head rows
+    linears = "int8 in groups" if qtype == "Q8_0" else "int4"
+    assert packed.packed.startswith(f"{linears} ×"), packed.packed
+    assert "rows ×1" in packed.packed  # the tied embedding's rows, kept as stored
     dense = build(tiny_ggufs[qtype], "none")
     assert dense.packed == "float"
     got_logits, got_tokens = greedy(packed)
@@ -220,25 +218,45 @@ def test_safetensors_stay_float_under_auto(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_smollm2_packed_greedy_tokens_equal_dequantised(smollm2_gguf: Path) -> None:
+def test_smollm2_packed_follows_the_dequantised_greedy_tokens(smollm2_gguf: Path) -> None:
+    """The packed model runs at bfloat16 precision in its linears (differences
+    up to 0.67 on logits of ~20, 0.2-0.4 typical), so a greedy choice between two tokens whose
+    dequantised logits lie closer than that can go either way: measured, one
+    of three 16-token continuations flips at its 14th token (a 0.14 margin).
+    Teacher-forced on the dequantised model's greedy tokens, every step must
+    pick the same token or one within ``near_tie`` of it, with logits within
+    1.0 everywhere (5 % of the top logits); at most two steps may differ."""
+    near_tie = 0.6
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a small village,"]
     with open_checkpoint(smollm2_gguf) as checkpoint:
         tokenizer = checkpoint.tokenizer()
         prompts = [tokenizer.encode(text) for text in texts]
-    runs = {}
-    for quantization in ("auto", "none"):
-        stage = build(smollm2_gguf, quantization)
-        cache = new_cache(stage, blocks=64)
-        outputs = []
-        for index, prompt in enumerate(prompts):
-            blocks = list(range(index * 16, index * 16 + 16))
-            last = run(stage, cache, [(prompt, blocks, 0)])[-1]
-            tokens = []
-            for step in range(16):
-                tokens.append(int(last.argmax()))
-                last = run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0]
-            outputs.append(tokens)
-        runs[quantization] = outputs
-        del stage, cache
-    assert runs["auto"] == runs["none"]
+    dense = build(smollm2_gguf, "none")
+    reference = [greedy_run(dense, prompt, None) for prompt in prompts]
+    del dense
+    packed = build(smollm2_gguf, "auto")
+    agree = steps = 0
+    for prompt, (want_logits, tokens) in zip(prompts, reference, strict=True):
+        got_logits, _ = greedy_run(packed, prompt, tokens)
+        torch.testing.assert_close(got_logits, want_logits, atol=1.0, rtol=0)
+        for got, want in zip(got_logits, want_logits, strict=True):
+            choice = int(got.argmax())
+            assert want.max() - want[choice] < near_tie
+            agree += choice == int(want.argmax())
+            steps += 1
+    assert agree >= steps - 2, f"{agree} of {steps} steps agree"
+
+
+def greedy_run(stage: LlamaStage, prompt: list[int],
+               forced: list[int] | None) -> tuple[Any, list[int]]:
+    """16 decode steps (``forced`` tokens, else greedy): each step's logits, the tokens."""
+    cache = new_cache(stage, blocks=16)
+    blocks = list(range(16))
+    rows = [run(stage, cache, [(prompt, blocks, 0)])[-1]]
+    tokens: list[int] = []
+    for step in range(16):
+        tokens.append(forced[step] if forced is not None else int(rows[-1].argmax()))
+        if step < 15:
+            rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0])
+    return torch.stack(rows), tokens

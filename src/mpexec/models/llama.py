@@ -323,18 +323,18 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             activation=features.activation, window=window, rope_index=rope_index))
     vocab_start, vocab_stop = share.vocab
     embedding = lm_head = final_norm = None
-    embed_rows: Any = None
-    if is_first:
-        embed_rows = weights.rows("model.embed_tokens.weight", vocab_start, vocab_stop)
+    untied = not config.tie_word_embeddings and "lm_head.weight" in names
+    # tied: one read of the rows serves both ends
+    embed_rows, head = weights.vocab("model.embed_tokens.weight", vocab_start, vocab_stop,
+                                     embedding=is_first, head=is_last and not untied)
+    if embed_rows is not None:
         embedding = VocabParallelEmbedding(embed_rows, vocab_start, tp_group, dtype=dtype)
     if is_last:
         final_norm = norm("model.norm.weight")
-        if not config.tie_word_embeddings and "lm_head.weight" in names:
-            head = weights.rows("lm_head.weight", vocab_start, vocab_stop)
-        elif embed_rows is not None:
-            head = embed_rows  # tied: the same rows serve both ends
-        else:
-            head = weights.rows("model.embed_tokens.weight", vocab_start, vocab_stop)
+        if untied:
+            _, head = weights.vocab("lm_head.weight", vocab_start, vocab_stop,
+                                    embedding=False, head=True)
+        assert head is not None
         lm_head = ParallelLMHead(head, tp_group)
     return LlamaStage(share=share, layers=layers, embedding=embedding, final_norm=final_norm,
                       lm_head=lm_head, rotary=rotary, num_kv_heads=attn.num_kv_heads,

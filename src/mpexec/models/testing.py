@@ -245,8 +245,9 @@ def _quantize(values: Any, quant: Any, rng: Any) -> Any:
     """``values`` in ``quant``'s blocks; random blocks where gguf cannot quantise.
 
     gguf's Python package quantises the legacy types only; Q4_K is written by
-    :func:`quantize_q4_k`.  For the others (other K-quants, IQ types) the blocks are random bytes of the right size, with
-    bit 6 of every odd byte cleared so that every little-endian float16 at an
+    :func:`quantize_q4_k`.  For the others (other K-quants, IQ types) the
+    blocks are random bytes of the right size, with bit 6 of every odd byte
+    cleared so that every little-endian float16 at an
     even offset (all the scales of these layouts) is finite and below 2: such
     a file tests the loader's blocks and slices, not the model's numerics.
     """

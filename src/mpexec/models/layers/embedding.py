@@ -8,8 +8,9 @@ Each TP rank holds the rows ``[vocab_start, vocab_stop)`` of the embedding
 - LM head: a rank computes the logits of its rows; ``all_gather`` along the
   vocabulary dimension (uneven slices allowed) gives every rank the full row.
 
-The weight may be a packed ``quantized.Int8Weight``: the lookup gathers its
-int8 rows and scales them, the head multiplies with the int8 kernel.
+The embedding's rows may be packed (``quantized.GroupRows`` or
+``Int8Weight``: a lookup gathers and scales the rows it needs), and so may
+the head's weight (any ``quantized.Weight``).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
-from mpexec.models.layers.quantized import Int8Weight, matmul
+from mpexec.models.layers.quantized import Rows, Weight, matmul
 
 
 class VocabParallelEmbedding:
-    def __init__(self, weight: torch.Tensor | Int8Weight, vocab_start: int,
-                 group: ParallelGroup, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, weight: Rows, vocab_start: int, group: ParallelGroup,
+                 dtype: torch.dtype | None = None) -> None:
         self.weight = weight
         self.vocab_start = vocab_start
-        rows = weight.out_features if isinstance(weight, Int8Weight) else weight.shape[0]
+        rows = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.out_features
         self.vocab_stop = vocab_start + rows
         self.group = group
         self.dtype = dtype or torch.float32  # of a packed weight's rows
@@ -40,15 +41,15 @@ class VocabParallelEmbedding:
         return self.group.all_reduce(out)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, Int8Weight):
-            return self.weight.rows(ids, self.dtype)
-        return F.embedding(ids, self.weight)
+        if isinstance(self.weight, torch.Tensor):
+            return F.embedding(ids, self.weight)
+        return self.weight.rows(ids, self.dtype)
 
 
 class ParallelLMHead:
     """Full float32 logits on every rank from this rank's vocabulary rows."""
 
-    def __init__(self, weight: torch.Tensor | Int8Weight, group: ParallelGroup) -> None:
+    def __init__(self, weight: Weight, group: ParallelGroup) -> None:
         self.weight = weight
         self.group = group
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpexec.models.config import CheckpointError, ModelConfig
 
-# (q, scale, minimum): uint8 values in 0..15, float32 per group of 32; x = scale·q + minimum
+# (q, scale, minimum): uint8 values, float32 per group of 32; x = scale·q + minimum
 FourBitGroups = tuple["np.ndarray", "np.ndarray", "np.ndarray"]
 
 if TYPE_CHECKING:
@@ -159,9 +159,9 @@ class Checkpoint:
 
     def read_groups(self, name: str, dim: int | None = None, start: int = 0,
                     stop: int | None = None) -> FourBitGroups | None:
-        """The slice of a 2-D weight as its stored 4-bit groups of 32 (see
-        ``quants.four_bit_groups``), exactly; None when the tensor is not of a
-        4-bit type or a column slice does not fall on group edges."""
+        """The slice of a 2-D weight as its stored groups of 32 (see
+        ``quants.groups_of``), exactly; None when the tensor's type has no such
+        groups or a column slice does not fall on group edges."""
         shape = self.shape(name)
         if len(shape) != 2:
             return None

@@ -8,8 +8,8 @@
         columns [start:stop] (last dim)  → only the blocks that cover them (32
                                            elements, 256 for K-quant super-blocks)
         ─► quants.dequantize (gguf.quants) ─► Q/K rows put back in Hugging Face order
-    read_groups(hf_name, dim, start, stop)   (4-bit types, kept packed)
-        the same blocks ─► quants.four_bit_groups ─► (q, scale, minimum), same order
+    read_groups(hf_name, dim, start, stop)   (Q4_0, Q4_1, Q4_K, Q8_0: kept packed)
+        the same blocks ─► quants.groups_of ─► (q, scale, minimum), same order
 
 Layout: GGUF lists dimensions fastest first (``ne[0]`` is the row length), so
 a torch ``(out, in)`` weight appears as ``[in, out]``; the file's bytes are the
@@ -45,12 +45,12 @@ from mpexec.models.config import CheckpointError, ModelConfig
 from mpexec.models.loader.base import Checkpoint, FourBitGroups
 from mpexec.models.loader.gguf_header import TensorEntry, read_header
 from mpexec.models.loader.quants import (
-    FOUR_BIT,
     GROUP,
+    GROUPED,
     Encoding,
     dequantize,
     encoding_of,
-    four_bit_groups,
+    groups_of,
     supported_names,
 )
 
@@ -304,7 +304,7 @@ class GGUFCheckpoint(Checkpoint):
     def _read_groups(self, name: str, row0: int, row1: int, col0: int,
                      col1: int) -> FourBitGroups | None:
         info = self._infos[name]
-        if info.encoding.ggml_type not in FOUR_BIT or col0 % GROUP or col1 % GROUP:
+        if info.encoding.ggml_type not in GROUPED or col0 % GROUP or col1 % GROUP:
             return None
         head = self._permuted_heads.get(name)
         first, last = row0, row1
@@ -318,7 +318,7 @@ class GGUFCheckpoint(Checkpoint):
         self.bytes_read += raw.size
         skip = col0 - block0 * per_block
         parts = []
-        for part, unit in zip(four_bit_groups(raw, info.encoding), (1, GROUP, GROUP),
+        for part, unit in zip(groups_of(raw, info.encoding), (1, GROUP, GROUP),
                               strict=True):
             part = part[:, skip // unit: (skip + col1 - col0) // unit]
             if head is not None:

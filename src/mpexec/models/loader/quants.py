@@ -134,19 +134,23 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
 
 
-# ── 4-bit groups, for weights kept packed ─────────────────────────────────
+# ── groups of 32, for weights kept packed ─────────────────────────────────
 
 Q4_K = 12
-GROUP = 32  # elements that share one scale and minimum in every 4-bit type below
+GROUP = 32  # elements that share one scale and minimum in every type below
 FOUR_BIT = (Q4_0, Q4_1, Q4_K)
+GROUPED = (*FOUR_BIT, Q8_0)
 
 
-def four_bit_groups(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``raw`` (rows, bytes per row) of a 4-bit type → ``(q, scale, minimum)``, exactly.
+def groups_of(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``raw`` (rows, bytes per row) of a type in ``GROUPED`` → ``(q, scale, minimum)``,
+    exactly.
 
-    ``q``: uint8 ``(rows, cols)`` in 0..15; ``scale``, ``minimum``: float32
-    ``(rows, cols / 32)``; element ``x = scale·q + minimum`` of its group of 32.
+    ``q``: uint8 ``(rows, cols)`` (0..15 for the 4-bit types, 0..255 for Q8_0);
+    ``scale``, ``minimum``: float32 ``(rows, cols / 32)``; element
+    ``x = scale·q + minimum`` of its group of 32.
 
+        Q8_0   scale d, minimum −128·d   (q = the stored int8 + 128)
         Q4_0   scale d, minimum −8·d
         Q4_1   scale d, minimum m
         Q4_K   144-byte super-block of 256: f16 d, f16 dmin, 12 bytes of eight
@@ -158,6 +162,9 @@ def four_bit_groups(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarra
     rows, kind = raw.shape[0], encoding.ggml_type
     blocks = raw.reshape(rows, -1, encoding.block_bytes)
     half = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    if kind == Q8_0:
+        q = (blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(rows, -1), half, -128 * half
     if kind in (Q4_0, Q4_1):
         nibbles = blocks[..., 4:] if kind == Q4_1 else blocks[..., 2:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
@@ -165,7 +172,7 @@ def four_bit_groups(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarra
             return q, half, -8 * half
         return q, half, blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
     if kind != Q4_K:
-        raise ValueError(f"{encoding.name} is not a 4-bit type with groups of {GROUP}")
+        raise ValueError(f"{encoding.name} is not a type with groups of {GROUP}")
     import gguf
 
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
