@@ -25,7 +25,11 @@ from tests.models.model_run_support import run_ranks  # noqa: E402
 from tests.models.test_model_layers import CPU, new_cache, run  # noqa: E402
 
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
-from mpexec.models.layers.quantized import Int4Weight, Int8Weight  # noqa: E402
+from mpexec.models.layers.quantized import (  # noqa: E402
+    Int4Weight,
+    Int8GroupWeight,
+    Int8Weight,
+)
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
 from mpexec.models.loader.quants import dequantize, encoding_of, groups_of  # noqa: E402
@@ -34,7 +38,7 @@ from mpexec.models.sharding import rank_share  # noqa: E402
 RELATIVE = 0.02
 PROMPTS = [[1, 17, 99, 230, 5, 64], [300, 2, 2, 150]]
 NEW_TOKENS = 6
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0"]
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +48,7 @@ def _one_thread() -> None:
 
 # ── the pure parts ───────────────────────────────────────────────────────────
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"])
 def test_groups_of_are_exactly_the_dequantised_values(qtype: str) -> None:
     from mpexec.models.testing import _quantize
 
@@ -54,7 +58,8 @@ def test_groups_of_are_exactly_the_dequantised_values(qtype: str) -> None:
     encoding = encoding_of(int(kind))
     assert encoding is not None
     q, scale, minimum = groups_of(raw, encoding)
-    assert q.max() <= (255 if qtype == "Q8_0" else 15) and scale.shape == minimum.shape == (6, 16)
+    assert q.max() <= {"Q8_0": 255, "Q5_0": 31, "Q5_1": 31}.get(qtype, 15)
+    assert scale.shape == minimum.shape == (6, 16)
     rebuilt = (q.reshape(6, 16, 32) * scale[..., None] + minimum[..., None]).reshape(6, 512)
     np.testing.assert_array_equal(rebuilt, dequantize(raw, encoding))
 
@@ -74,6 +79,25 @@ def test_int4_weight_multiplies_like_its_float_values(rows: int) -> None:
     assert got.shape == (5, rows) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=RELATIVE * expected.abs().max().item(), rtol=0)
     assert weight(x[:0]).shape == (0, rows)
+
+
+@pytest.mark.parametrize(("top", "offset"), [(255, -128), (31, -16), (15, -8)])
+def test_int8_group_weight_multiplies_like_its_float_values(top: int, offset: int) -> None:
+    """Q8_0-, Q5_0- and Q4_0-like groups, each as two int4 matmuls, with rows
+    of a mixed weight (the first half 8-bit, the rest ``top``) as in a fused
+    q/k/v of two types."""
+    generator = torch.Generator().manual_seed(2)
+    rows = 32
+    q = torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.int32)
+    q[rows // 2:] = q[rows // 2:] % (top + 1)
+    scale = torch.rand(rows, 2, generator=generator) * 0.01 + 0.001
+    minimum = scale * torch.tensor([-128.0] * (rows // 2) + [offset] * (rows // 2))[:, None]
+    weight = Int8GroupWeight(q.to(torch.uint8), scale, minimum)
+    dense = (q.float().view(rows, 2, 32) * scale[..., None] + minimum[..., None]).view(rows, 64)
+    x = torch.randn(4, 64, generator=generator)
+    expected = x @ dense.T
+    torch.testing.assert_close(weight(x), expected, atol=0.01 * expected.abs().max().item(),
+                               rtol=0)
 
 
 def test_int8_weight_multiplies_and_looks_up_rows() -> None:
@@ -137,7 +161,7 @@ def greedy(stage: LlamaStage) -> tuple[list[Any], list[list[int]]]:
 def test_packed_model_matches_the_dequantised_one(tiny_ggufs: dict[str, Path],
                                                   qtype: str) -> None:
     packed = build(tiny_ggufs[qtype], "auto")
-    linears = "int8 in groups" if qtype == "Q8_0" else "int4"
+    linears = "int8 in groups" if qtype in ("Q8_0", "Q5_0") else "int4"
     assert packed.packed.startswith(f"{linears} ×"), packed.packed
     assert "rows ×1" in packed.packed  # the tied embedding's rows, kept as stored
     dense = build(tiny_ggufs[qtype], "none")

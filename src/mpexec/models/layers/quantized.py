@@ -100,10 +100,27 @@ class Int8Weight:
 
 class Int8GroupWeight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        """``q`` (out, in) in 0..255, per group of 32: x = scale·q + minimum."""
+        """``q`` (out, in) in 0..255, per group of 32: x = scale·q + minimum.
+
+        The kernel adds each group's zero ``minimum + 8·scale`` in bfloat16, so
+        each group is split the way that keeps its zeros small (zeros that
+        cancel would cost ~2⁻⁹ of them per element):
+
+            plain    high (h, 16s, m)          low (l, s, 0)   zeros m + 128s, 8s
+            shifted  high (h + 8, 16s, −128s)  low (l, s, m)   zeros 0, m + 8s
+                     (only where every h <= 7: 5-bit and 4-bit groups)
+
+        Q8_0 (m = −128·d) takes the plain split, Q5_0 (m = −16·d) the shifted one."""
         self.out_features, self.in_features = q.shape
-        self.high = Int4Weight(q >> 4, 16 * scale, minimum)
-        self.low = Int4Weight(q & 15, scale, torch.zeros_like(minimum))
+        rows = q.shape[0]
+        high, low = q >> 4, q & 15
+        small_high = high.view(rows, -1, GROUP).amax(-1) <= 7
+        shifted = small_high & ((minimum + 8 * scale).abs() < (minimum + 128 * scale).abs())
+        spread = shifted.repeat_interleave(GROUP, dim=1)
+        self.high = Int4Weight(high + 8 * spread.to(high.dtype), 16 * scale,
+                               torch.where(shifted, -128 * scale, minimum))
+        self.low = Int4Weight(low, scale, torch.where(shifted, minimum,
+                                                      torch.zeros_like(minimum)))
 
     @property
     def nbytes(self) -> int:

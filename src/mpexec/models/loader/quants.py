@@ -136,21 +136,24 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 # ── groups of 32, for weights kept packed ─────────────────────────────────
 
-Q4_K = 12
+Q5_0, Q5_1, Q4_K = 6, 7, 12
 GROUP = 32  # elements that share one scale and minimum in every type below
-FOUR_BIT = (Q4_0, Q4_1, Q4_K)
-GROUPED = (*FOUR_BIT, Q8_0)
+GROUPED = (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0)
 
 
 def groups_of(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``raw`` (rows, bytes per row) of a type in ``GROUPED`` → ``(q, scale, minimum)``,
     exactly.
 
-    ``q``: uint8 ``(rows, cols)`` (0..15 for the 4-bit types, 0..255 for Q8_0);
+    ``q``: uint8 ``(rows, cols)`` (0..15 for the 4-bit types, 0..31 for the
+    5-bit ones, 0..255 for Q8_0);
     ``scale``, ``minimum``: float32 ``(rows, cols / 32)``; element
     ``x = scale·q + minimum`` of its group of 32.
 
         Q8_0   scale d, minimum −128·d   (q = the stored int8 + 128)
+        Q5_0   22 bytes: f16 d, 32 high bits (bit j: element j), 16 bytes of
+               nibbles as Q4_0;  scale d, minimum −16·d
+        Q5_1   24 bytes: f16 d, f16 m, then as Q5_0;  scale d, minimum m
         Q4_0   scale d, minimum −8·d
         Q4_1   scale d, minimum m
         Q4_K   144-byte super-block of 256: f16 d, f16 dmin, 12 bytes of eight
@@ -165,6 +168,16 @@ def groups_of(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarray, np.
     if kind == Q8_0:
         q = (blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return q.reshape(rows, -1), half, -128 * half
+    if kind in (Q5_0, Q5_1):
+        start = 4 if kind == Q5_1 else 2
+        bits = blocks[..., start:start + 4].copy().view(np.uint32)  # (rows, blocks, 1)
+        high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        nibbles = blocks[..., start + 4:]
+        q = (np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | high << 4)
+        if kind == Q5_0:
+            return q.reshape(rows, -1), half, -16 * half
+        minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        return q.reshape(rows, -1), half, minimum
     if kind in (Q4_0, Q4_1):
         nibbles = blocks[..., 4:] if kind == Q4_1 else blocks[..., 2:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
