@@ -96,12 +96,21 @@ def worker_weight_bytes(wrapper: Any) -> int:
     rotary = stage.rotary
     for table in (rotary.cos, rotary.sin):  # tables, not weights
         seen.pop(table.data_ptr(), None)
-    if stage.embedding is not None and stage.lm_head is None:
-        weight = stage.embedding.weight
-        for tensor in (weight,) if isinstance(weight, torch.Tensor) else vars(weight).values():
-            if isinstance(tensor, torch.Tensor):
-                seen.pop(tensor.data_ptr(), None)  # one row per token only
+    if stage.embedding is not None:  # one row per token only, unless the head shares it
+        head = stage.lm_head.weight if stage.lm_head is not None else None
+        for tensor in _tensors(stage.embedding.weight):
+            if not any(tensor.data_ptr() == t.data_ptr() for t in _tensors(head)):
+                seen.pop(tensor.data_ptr(), None)
     return sum(seen.values())
+
+
+def _tensors(weight: Any) -> list[torch.Tensor]:
+    """The tensors of a float or packed weight (None: none)."""
+    if weight is None:
+        return []
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    return [t for t in vars(weight).values() if isinstance(t, torch.Tensor)]
 
 
 def worker_profile_start(wrapper: Any) -> None:

@@ -284,3 +284,35 @@ def greedy_run(stage: LlamaStage, prompt: list[int],
         if step < 15:
             rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0])
     return torch.stack(rows), tokens
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_the_command_line_passes_quantization_to_the_llm(command: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec.cli import build_parser
+    from mpexec.cli.generate import start_llm
+    from mpexec.engine import llm as llm_module
+
+    parser = build_parser()
+    args = parser.parse_args([command, "--quantization", "none"])
+    assert args.quantization == "none"
+    assert parser.parse_args([command]).quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--quantization", "int3"])
+    seen: dict[str, Any] = {}
+
+    class Recorder:
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            seen.update(kwargs)
+
+    monkeypatch.setattr(llm_module, "LLM", Recorder)
+    args.log_level = "warning"  # set by mpexec.cli.main
+    start_llm(args, 1, 1)
+    assert seen["quantization"] == "none"
+
+
+def test_llm_refuses_an_unknown_quantization_before_starting_workers() -> None:
+    from mpexec import LLM
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'q4'"):
+        LLM("default", quantization="q4")
