@@ -316,3 +316,24 @@ def test_llm_refuses_an_unknown_quantization_before_starting_workers() -> None:
 
     with pytest.raises(ValueError, match="quantization must be one of auto, none; got 'q4'"):
         LLM("default", quantization="q4")
+
+
+def test_worker_processes_at_tp2_packed_give_the_in_process_tokens(
+        tiny_ggufs: dict[str, Path], leak_check: None) -> None:
+    """Two ModelWorker processes (mp executor, TP=2, quantization="auto")
+    against one packed rank in this process."""
+    from tests.models.model_run_driver import StepDriver, make_executor
+
+    from mpexec.outputs import SamplingParams
+
+    path = tiny_ggufs["Q4_K"]
+    want_logits, want_tokens = greedy(build(path, "auto"))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    with make_executor(path, tp=2, quantization="auto") as executor:
+        runs = StepDriver(executor, fetch_logits=True).generate(
+            {f"r{i}": (prompt, params) for i, prompt in enumerate(PROMPTS)})
+    for i, tokens in enumerate(want_tokens):
+        assert runs[f"r{i}"].output == tokens
+        first = runs[f"r{i}"].logits[0]
+        torch.testing.assert_close(first, want_logits[i][-1],
+                                   atol=RELATIVE * want_logits[i].abs().max().item(), rtol=0)
