@@ -2,9 +2,10 @@
 
     python benchmarks/bench_model.py [--model default|gemma3-270m|PATH] [--steps 24] [--threads 1]
                                      [--dtypes float32,bfloat16] [--layouts tp1,tp2,pp2]
-                                     [--profile]
+                                     [--quantizations auto,none] [--profile]
 
-For each dtype and layout (TP=1, TP=2, PP=2 through the mp executor, one
+For each dtype, quantisation (``auto``: quantised weights kept packed,
+``none``: dequantised to the dtype) and layout (TP=1, TP=2, PP=2 through the mp executor, one
 worker process per rank with ``--threads`` intra-op threads each) and for
 transformers (``generate`` on the same GGUF, same dtype, same threads, in
 this process), in the same run:
@@ -21,14 +22,18 @@ this process), in the same run:
 - the executor's share of a decode step: driver wall time of execute_model +
   sample_tokens minus the output rank's ``worker_execute_s`` +
   ``worker_sample_s``, over the wall time;
-- resident memory per worker (VmRSS) and the weight bytes it holds;
+- resident memory per worker (VmRSS) and the weight bytes it holds, and
+  those weight bytes (what a batch-1 decode step reads) packed against float32;
+- the bytes each rank reads from the file when loading packed at TP=2
+  (in this process, one rank after the other);
 - with ``--profile``, where a batch-1 decode step spends its time on each
   rank (cProfile around execute_model and sample_tokens only, in a separate
   run of ``--steps`` steps whose rates are not reported): waiting in a
   collective for the other TP ranks to arrive, the rest of the collectives,
   matmuls, the attention kernel, other torch ops, and the Python around them.
 
-Numbers depend on the machine and its load; compare within one run.
+Numbers depend on the machine and its load (printed with the CPU model at
+the start and the end); compare within one run.
 """
 
 from __future__ import annotations
@@ -77,10 +82,10 @@ def worker_weight_bytes(wrapper: Any) -> int:
     def visit(obj: Any, depth: int = 0) -> None:
         if isinstance(obj, torch.Tensor):
             seen[obj.data_ptr()] = obj.numel() * obj.element_size()
-        elif depth < 4 and hasattr(obj, "__dict__"):
+        elif depth < 6 and hasattr(obj, "__dict__"):
             for name, value in vars(obj).items():
-                if name == "group":
-                    continue  # a process group's buffers are not weights
+                if name in ("group", "row_scale"):
+                    continue  # a process group's buffers; the float32 copy of int8 scales
                 if isinstance(value, list):
                     for item in value:
                         visit(item, depth + 1)
@@ -91,9 +96,21 @@ def worker_weight_bytes(wrapper: Any) -> int:
     rotary = stage.rotary
     for table in (rotary.cos, rotary.sin):  # tables, not weights
         seen.pop(table.data_ptr(), None)
-    if stage.embedding is not None and stage.lm_head is None:
-        seen.pop(stage.embedding.weight.data_ptr(), None)  # one row per token only
+    if stage.embedding is not None:  # one row per token only, unless the head shares it
+        head = stage.lm_head.weight if stage.lm_head is not None else None
+        for tensor in _tensors(stage.embedding.weight):
+            if not any(tensor.data_ptr() == t.data_ptr() for t in _tensors(head)):
+                seen.pop(tensor.data_ptr(), None)
     return sum(seen.values())
+
+
+def _tensors(weight: Any) -> list[torch.Tensor]:
+    """The tensors of a float or packed weight (None: none)."""
+    if weight is None:
+        return []
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    return [t for t in vars(weight).values() if isinstance(t, torch.Tensor)]
 
 
 def worker_profile_start(wrapper: Any) -> None:
@@ -147,10 +164,12 @@ PROFILE_PARTS = ("waiting for TP peers", "TP collectives besides waiting", "matm
 class OurModel:
     """An mp executor of ModelWorkers, stepped with hand-built SchedulerOutputs."""
 
-    def __init__(self, model: Path, tp: int, pp: int, dtype: str, threads: int) -> None:
+    def __init__(self, model: Path, tp: int, pp: int, dtype: str, threads: int,
+                 quantization: str = "auto") -> None:
         config = ExecutorConfig(
             worker_cls="mpexec.models.worker:ModelWorker",
-            worker_kwargs=dict(model=str(model), dtype=dtype, block_size=BLOCK,
+            worker_kwargs=dict(model=str(model), dtype=dtype, quantization=quantization,
+                               block_size=BLOCK,
                                max_model_len=1024, num_threads=threads,
                                kv_cache_memory_bytes=256 << 20),
             parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
@@ -301,6 +320,56 @@ def stream_bandwidth(threads: int) -> float:
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 
 
+def machine() -> str:
+    """The CPU model (lscpu) and the load average: other jobs share this machine."""
+    import os
+    import subprocess
+
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next((line.split(":", 1)[1].strip() for line in lines.splitlines()
+                      if line.startswith("Model name")), "?")
+    except (OSError, subprocess.SubprocessError):
+        model = "?"
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    return f"CPU {model}, {os.cpu_count()} CPUs, load average {load}"
+
+
+class _LoadOnlyGroup:
+    """A TP group for loading one rank in this process (no collective runs)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank_in_group, self.world_size = rank, size
+
+    def all_reduce(self, tensor: Any) -> Any:
+        raise AssertionError("no collective at load")
+
+    def all_gather(self, tensor: Any, dim: int = -1) -> Any:
+        raise AssertionError("no collective at load")
+
+
+def rank_reads(model: Path, tp: int, quantization: str) -> list[int]:
+    """Bytes each TP rank reads from the file to load its stage."""
+    from mpexec.models.llama import load_stage
+    from mpexec.models.loader import open_checkpoint
+    from mpexec.models.sharding import rank_share
+
+    reads = []
+    for rank in range(tp):
+        with open_checkpoint(model) as checkpoint:
+            c = checkpoint.config
+            share = rank_share(num_heads=c.num_attention_heads,
+                               num_kv_heads=c.num_key_value_heads,
+                               intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                               layers=(0, c.num_hidden_layers), tp_rank=rank, tp_size=tp)
+            load_stage(checkpoint, c, share, is_first=True, is_last=True,
+                       tp_group=_LoadOnlyGroup(rank, tp), dtype=torch.float32,
+                       device=torch.device("cpu"), max_positions=64,
+                       quantization=quantization)
+            reads.append(checkpoint.bytes_read)
+    return reads
+
+
 def progress(row: list[Any]) -> None:
     """One measured row on stderr as soon as it exists (a long run keeps what it has)."""
     print("measured:", " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
@@ -324,6 +393,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layouts", default="tp1,tp2,pp2")
+    parser.add_argument("--quantizations", default="auto,none")
+    parser.add_argument("--read-tp", type=int, default=2,
+                        help="also load packed at this TP size here and count each rank's "
+                        "file reads (0: skip)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile batch-1 decode steps on every rank")
     args = parser.parse_args()
@@ -332,6 +405,8 @@ def main() -> None:
     model = resolve_model(args.model)
     dtypes = args.dtypes.split(",")
     layouts = args.layouts.split(",")
+    quantizations = args.quantizations.split(",")
+    print(f"start: {machine()}", file=sys.stderr, flush=True)
     bandwidth = {n: stream_bandwidth(n) for n in (1, 2)}
     rows: list[list[Any]] = []
     extras: list[list[Any]] = []
@@ -351,10 +426,11 @@ def main() -> None:
                      f"{ref['prefill']:.0f}", "1.00x",
                      f"{bytes_per_token * ref['b1'] / 1e9:.2f}", "-"])
         progress(rows[-1])
-        for layout in layouts:
+        for layout, quantization in itertools.product(layouts, quantizations):
             tp, pp = LAYOUTS[layout]
             started = time.perf_counter()
-            ours = OurModel(model, tp, pp, dtype, args.threads)
+            ours = OurModel(model, tp, pp, dtype, args.threads, quantization)
+            layout = f"{layout} {'packed' if quantization == 'auto' else 'dequantised'}"
             load = time.perf_counter() - started
             try:
                 b1, share1 = ours.decode(1, args.steps)
@@ -367,7 +443,7 @@ def main() -> None:
                                                  args.steps))
             finally:
                 ours.close()
-            measured[(dtype, layout)] = {"b1": b1, "b16": b16}
+            measured[(dtype, layout)] = {"b1": b1, "b16": b16, "weights": sum(weights)}
             # batch-1 decode reads each rank's weights once per token; ranks read in
             # parallel (TP) or in turn (PP), so the total is what moves per second
             rows.append([f"mpexec {layout} {dtype}", f"{load:.1f}", f"{b1:.1f}", f"{b16:.1f}",
@@ -392,16 +468,42 @@ def main() -> None:
                      "steps; cProfile inflates the Python share)",
                      ["layout", "rank", *PROFILE_PARTS[:-1], "Python and the rest", "total"],
                      profiles))
+    packing = []
+    for dtype, layout in itertools.product(dtypes, layouts):
+        packed = measured.get((dtype, f"{layout} packed"))
+        dense = measured.get((dtype, f"{layout} dequantised"))
+        if packed and dense:
+            packing.append([f"{layout} {dtype}", f"{packed['weights'] / 2**20:.1f}",
+                            f"{dense['weights'] / 2**20:.1f}",
+                            f"{packed['weights'] / dense['weights']:.3f}",
+                            f"{packed['b1'] / dense['b1']:.2f}x",
+                            f"{packed['b16'] / dense['b16']:.2f}x"])
+    if packing:
+        print()
+        print(render("packed vs dequantised: weight bytes read per decode step (all ranks) "
+                     "and decode speed", ["layout", "packed MiB", "dequantised MiB", "ratio",
+                                         "b=1 speed-up", "b=16 speed-up"], packing))
+    if args.read_tp > 1:
+        size = model.stat().st_size
+        reads = rank_reads(model, args.read_tp, "auto")
+        print()
+        print(render(f"bytes each rank reads from the {size:,}-byte file, packed at "
+                     f"TP={args.read_tp}", ["rank", "bytes read", "share of the file"],
+                     [[rank, f"{n:,}", f"{n / size:.3f}"] for rank, n in enumerate(reads)]))
     scaling = []
-    for dtype in dtypes:
-        if (dtype, "tp1") in measured and (dtype, "tp2") in measured:
-            one, two = measured[(dtype, "tp1")], measured[(dtype, "tp2")]
-            scaling.append([dtype, f"{two['b1'] / one['b1']:.2f}x (target 1.3x)",
+    for dtype, quantization in itertools.product(dtypes, ("packed", "dequantised")):
+        if (dtype, f"tp1 {quantization}") in measured and \
+                (dtype, f"tp2 {quantization}") in measured:
+            one = measured[(dtype, f"tp1 {quantization}")]
+            two = measured[(dtype, f"tp2 {quantization}")]
+            scaling.append([f"{dtype} {quantization}",
+                            f"{two['b1'] / one['b1']:.2f}x (target 1.3x)",
                             f"{two['b16'] / one['b16']:.2f}x (target 1.6x)"])
     if scaling:
         print()
         print(render(f"TP=2 vs TP=1 at {args.threads} thread(s) per worker",
                      ["dtype", "batch 1", "batch 16"], scaling))
+    print(f"\nmachine at the start: see stderr; at the end: {machine()}")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,12 @@ def make_executor(model: Path | str, *, tp: int = 1, pp: int = 1, dcp: int = 1, 
                   backend: str = "mp", num_blocks: int = 128, ep: bool = False,
                   dp: tuple[int, int] = (0, 1), executor_fields: dict[str, Any] | None = None,
                   **worker_kwargs: Any) -> Executor:
-    """An executor of ModelWorkers with its KV cache sized the way the engine does."""
+    """An executor of ModelWorkers with its KV cache sized the way the engine does.
+
+    Quantised weights are dequantised (``quantization="none"``) unless the
+    caller asks otherwise: these runs are compared with transformers' float32."""
     kwargs = dict(model=str(model), block_size=BLOCK_SIZE, num_threads=1,
-                  kv_cache_memory_bytes=64 << 20)
+                  kv_cache_memory_bytes=64 << 20, quantization="none")
     kwargs.update(worker_kwargs)
     fields: dict[str, Any] = dict(startup_timeout_s=120.0, execute_model_timeout_s=120.0,
                                   shutdown_grace_s=5.0, shutdown_term_s=5.0)

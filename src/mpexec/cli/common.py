@@ -78,6 +78,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none"),
+                        help="quantised GGUF weights: kept packed on CPU (auto) or "
+                        "dequantised to --dtype at load (none)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -110,6 +110,7 @@ class LLM:
         master_port: int = 0,
         executor_backend: str | type = "mp",
         dtype: str = "auto",
+        quantization: str = "auto",
         seed: int = 0,
         async_scheduling: bool = False,
         max_model_len: int | None = None,
@@ -166,8 +167,12 @@ class LLM:
                 "run slower than on %d CPUs", world, on_node, cpus, world)
         _check_devices(world, device_type, worker_cls == MODEL_WORKER)
         is_model_worker = worker_cls == MODEL_WORKER
-        connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}", block_size,
-                                 parallel.world_size)
+        if is_model_worker:  # a typo fails here, not in every worker
+            from mpexec.models.quantization import check_quantization
+
+            check_quantization(quantization)
+        connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}|{quantization}",
+                                 block_size, parallel.world_size)
         if connector is not None:
             if not is_model_worker:
                 raise ValueError("kv_transfer_config needs the model worker (worker_cls)")
@@ -189,7 +194,8 @@ class LLM:
             # ("default", …) travels as it is, so each node fetches (or finds) its own copy.
             spec = str(model) if nnodes > 1 and _is_named_model(str(model)) else str(path)
             kwargs: dict[str, Any] = {
-                "model": spec, "dtype": dtype, "block_size": block_size,
+                "model": spec, "dtype": dtype, "quantization": quantization,
+                "block_size": block_size,
                 "max_model_len": max_model_len,  # None: the checkpoint's
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
@@ -240,7 +246,7 @@ class LLM:
                                      # a block holds block_size tokens on each DCP rank
                                      block_size=block_size * decode_context_parallel_size,
                                      enable_prefix_caching=enable_prefix_caching,
-                                     prefix_cache_namespace=f"{model}|{dtype}",
+                                     prefix_cache_namespace=f"{model}|{dtype}|{quantization}",
                                      kv_transfer_config=connector)
             engines: list[Engine] = []
             for executor in executors:

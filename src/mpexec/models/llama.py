@@ -44,6 +44,7 @@ from mpexec.models.layers.parallel import ParallelGroup
 from mpexec.models.layers.rotary import RotaryEmbedding, rope_type_of
 from mpexec.models.moe import expert_share, load_moe_block
 from mpexec.models.prefill_parallel import PcpBatch
+from mpexec.models.quantization import WeightBuilder
 from mpexec.models.sharding import RankShare
 
 # ModelConfig names the family ("llama" covers Mistral and SmolLM).
@@ -128,7 +129,7 @@ class LlamaStage:
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, rotaries: list[RotaryEmbedding] | None = None,
                  embedding_scale: float | None = None,
-                 final_logit_softcapping: float | None = None) -> None:
+                 final_logit_softcapping: float | None = None, packed: str = "float") -> None:
         self.share = share
         self.layers = layers
         self.embedding = embedding
@@ -138,6 +139,7 @@ class LlamaStage:
         self.rotaries = rotaries or [rotary]  # layer.rope_index indexes these
         self.embedding_scale = embedding_scale
         self.final_logit_softcapping = final_logit_softcapping
+        self.packed = packed  # what load_stage kept packed, e.g. "int4 ×60, int8 ×1"
         self.windows = sorted({layer.window for layer in layers if layer.window})
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -208,25 +210,26 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                device: torch.device, max_positions: int, dcp_group: DcpGroup | None = None,
                dcp_head_counts: list[int] | None = None, expert_parallel: bool = False,
                ep_group: ParallelGroup | None = None,
-               dp_group: ParallelGroup | None = None) -> LlamaStage:
+               dp_group: ParallelGroup | None = None,
+               quantization: str = "none") -> LlamaStage:
     """Build this rank's stage, reading only its slices of the checkpoint; with
     ``dcp_group``, attention is decode-context-parallel (``context_parallel``).
 
     ``expert_parallel``: the MoE blocks split whole experts across the TP
     group instead of every expert's rows (``mpexec.models.moe``); with
     ``ep_group`` and ``dp_group`` (an EP group spanning data parallel
-    replicas) across the EP group, the tokens gathered over the DP group."""
+    replicas) across the EP group, the tokens gathered over the DP group.
+
+    ``quantization="auto"`` keeps quantised linears and vocabulary rows packed
+    (``mpexec.models.quantization``); ``"none"`` dequantises them to ``dtype``."""
     check_supported(config)
     names = set(checkpoint.names())
     head_dim = head_dim_of(config)
     tp = share.tp_size
 
-    def read(name: str, dim: int | None = None, start: int = 0,
-             stop: int | None = None) -> torch.Tensor:
-        if tp == 1:
-            dim, start, stop = None, 0, None  # whole tensor: one contiguous read
-        return checkpoint.read(name, dim=dim, start=start, stop=stop,
-                               dtype=dtype).to(device).contiguous()
+    weights = WeightBuilder(checkpoint, quantization=quantization, dtype=dtype, device=device,
+                            whole=tp == 1)  # one rank: whole tensors, one contiguous read
+    read = weights.read
 
     def optional(name: str, dim: int | None = None, start: int = 0,
                  stop: int | None = None) -> torch.Tensor | None:
@@ -269,10 +272,10 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
     for index in range(*share.layers):
         prefix = f"model.layers.{index}."
         attn_prefix = prefix + "self_attn."
-        qkv_weight = torch.cat([
-            read(attn_prefix + "q_proj.weight", 0, *q_rows),
-            read(attn_prefix + "k_proj.weight", 0, *kv_rows),
-            read(attn_prefix + "v_proj.weight", 0, *kv_rows)])
+        qkv_weight = weights.linear([
+            (attn_prefix + "q_proj.weight", 0, *q_rows),
+            (attn_prefix + "k_proj.weight", 0, *kv_rows),
+            (attn_prefix + "v_proj.weight", 0, *kv_rows)])
         biases = [optional(attn_prefix + f"{p}_proj.bias", 0, *rows)
                   for p, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
         qkv_bias = None
@@ -284,7 +287,8 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
         rope_index = len(rotaries) - 1 if window else 0
         attention = Attention(
             qkv_proj=ColumnParallelLinear(qkv_weight, qkv_bias),
-            o_proj=RowParallelLinear(read(attn_prefix + "o_proj.weight", 1, *q_rows), tp_group,
+            o_proj=RowParallelLinear(weights.linear([(attn_prefix + "o_proj.weight", 1,
+                                                       *q_rows)]), tp_group,
                                      bias=optional(attn_prefix + "o_proj.bias")),
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=head_dim,
             rotary=rotaries[rope_index],
@@ -301,8 +305,8 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                                    dp_group=dp_group)))
             continue
         mlp_prefix = prefix + "mlp."
-        gate_up = torch.cat([read(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),
-                             read(mlp_prefix + "up_proj.weight", 0, *mlp_rows)])
+        gate_up = weights.linear([(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),
+                                  (mlp_prefix + "up_proj.weight", 0, *mlp_rows)])
         sandwich = features.sandwich_norms
         layers.append(DecoderLayer(
             input_norm=norm(prefix + "input_layernorm.weight"),
@@ -310,8 +314,8 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             post_norm=norm(prefix + ("pre_feedforward_layernorm.weight" if sandwich
                                      else "post_attention_layernorm.weight")),
             gate_up=ColumnParallelLinear(gate_up),
-            down=RowParallelLinear(read(mlp_prefix + "down_proj.weight", 1, *mlp_rows),
-                                   tp_group),
+            down=RowParallelLinear(weights.linear([(mlp_prefix + "down_proj.weight", 1,
+                                                    *mlp_rows)]), tp_group),
             attn_out_norm=norm(prefix + "post_attention_layernorm.weight") if sandwich
             else None,
             mlp_out_norm=norm(prefix + "post_feedforward_layernorm.weight") if sandwich
@@ -319,22 +323,23 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
             activation=features.activation, window=window, rope_index=rope_index))
     vocab_start, vocab_stop = share.vocab
     embedding = lm_head = final_norm = None
-    embed_rows: torch.Tensor | None = None
-    if is_first:
-        embed_rows = read("model.embed_tokens.weight", 0, vocab_start, vocab_stop)
-        embedding = VocabParallelEmbedding(embed_rows, vocab_start, tp_group)
+    untied = not config.tie_word_embeddings and "lm_head.weight" in names
+    # tied: one read of the rows serves both ends
+    embed_rows, head = weights.vocab("model.embed_tokens.weight", vocab_start, vocab_stop,
+                                     embedding=is_first, head=is_last and not untied)
+    if embed_rows is not None:
+        embedding = VocabParallelEmbedding(embed_rows, vocab_start, tp_group, dtype=dtype)
     if is_last:
         final_norm = norm("model.norm.weight")
-        if not config.tie_word_embeddings and "lm_head.weight" in names:
-            head = read("lm_head.weight", 0, vocab_start, vocab_stop)
-        elif embed_rows is not None:
-            head = embed_rows  # tied: the same rows serve both ends
-        else:
-            head = read("model.embed_tokens.weight", 0, vocab_start, vocab_stop)
+        if untied:
+            _, head = weights.vocab("lm_head.weight", vocab_start, vocab_stop,
+                                    embedding=False, head=True)
+        assert head is not None
         lm_head = ParallelLMHead(head, tp_group)
     return LlamaStage(share=share, layers=layers, embedding=embedding, final_norm=final_norm,
                       lm_head=lm_head, rotary=rotary, num_kv_heads=attn.num_kv_heads,
                       head_dim=head_dim, dtype=dtype, device=device, rotaries=rotaries,
                       embedding_scale=config.hidden_size ** 0.5 if features.embedding_scale
                       else None,
-                      final_logit_softcapping=features.final_logit_softcapping)
+                      final_logit_softcapping=features.final_logit_softcapping,
+                      packed=weights.describe())

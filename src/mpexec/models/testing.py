@@ -244,15 +244,18 @@ def _llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> Any:
 def _quantize(values: Any, quant: Any, rng: Any) -> Any:
     """``values`` in ``quant``'s blocks; random blocks where gguf cannot quantise.
 
-    gguf's Python package quantises the legacy types only.  For the others
-    (K-quants, IQ types) the blocks are random bytes of the right size, with
-    bit 6 of every odd byte cleared so that every little-endian float16 at an
+    gguf's Python package quantises the legacy types only; Q4_K is written by
+    :func:`quantize_q4_k`.  For the others (other K-quants, IQ types) the
+    blocks are random bytes of the right size, with bit 6 of every odd byte
+    cleared so that every little-endian float16 at an
     even offset (all the scales of these layouts) is finite and below 2: such
     a file tests the loader's blocks and slices, not the model's numerics.
     """
     import gguf
     import numpy as np
 
+    if quant == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(values)
     try:
         return gguf.quants.quantize(values, quant)
     except NotImplementedError:
@@ -262,6 +265,42 @@ def _quantize(values: Any, quant: Any, rng: Any) -> Any:
     raw = rng.integers(0, 256, shape, dtype=np.uint8)
     raw[..., 1::2] &= 0xBF
     return raw
+
+
+def quantize_q4_k(values: Any) -> Any:
+    """float32 ``(rows, cols)`` (cols a multiple of 256) as Q4_K blocks, by a plain
+    min/max rounding per 32-element sub-block (llama.cpp searches for better
+    scales; a test model needs real numerics, not the best ones).
+
+    Block (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales ``sc`` and mins
+    ``m`` (bytes 0-3: sc[0:4] | sc[4:8]>>4 << 6; 4-7: m likewise; 8-11:
+    sc[4:8] & 15 | (m[4:8] & 15) << 4), 128 bytes of nibbles; x = d·sc·q − dmin·m.
+    """
+    import numpy as np
+
+    rows = values.shape[0]
+    sub = values.astype(np.float32).reshape(rows, -1, 8, 32)  # (rows, super-blocks, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    spread = (sub.max(-1) - low) / 15
+    d = (spread.max(-1) / 63).astype(np.float16)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[..., None] > 0, np.round(spread / d[..., None].astype(np.float32)), 0)
+        m = np.where(dmin[..., None] > 0, np.round(-low / dmin[..., None].astype(np.float32)), 0)
+        sc, m = np.clip(sc, 0, 63).astype(np.uint8), np.clip(m, 0, 63).astype(np.uint8)
+        scale = d[..., None].astype(np.float32) * sc
+        offset = dmin[..., None].astype(np.float32) * m
+        q = np.where(scale[..., None] > 0, np.round((sub + offset[..., None])
+                                                   / scale[..., None]), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(*sub.shape[:2], 4, 2, 32)
+    packed_scales = np.concatenate([
+        sc[..., :4] | (sc[..., 4:] >> 4) << 6,
+        m[..., :4] | (m[..., 4:] >> 4) << 6,
+        (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], axis=-1)
+    nibbles = (q[..., 0, :] | q[..., 1, :] << 4).reshape(*sub.shape[:2], 128)
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
+                             packed_scales, nibbles], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
 def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32") -> Path:

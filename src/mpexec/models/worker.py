@@ -67,6 +67,7 @@ from mpexec.models.kv_connector import (
 from mpexec.models.layers.parallel import SingleRankGroup
 from mpexec.models.llama import LlamaStage, load_stage
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
+from mpexec.models.quantization import check_quantization
 from mpexec.models.sampler import SampleRequest, logprob_rows, sample, unpack_bitmask
 from mpexec.models.sharding import pipeline_layers, rank_share
 from mpexec.models.step import PreparedStep, PromptLogprobsRows, RequestTable
@@ -122,8 +123,10 @@ class ModelWorker(WorkerBase):
                  max_num_batched_tokens: int = 2048, kv_cache_memory_bytes: int | None = None,
                  seed: int = 0, pp_layer_partition: list[int] | None = None,
                  num_threads: int | None = None,
-                 kv_transfer_config: dict[str, Any] | None = None) -> None:
+                 kv_transfer_config: dict[str, Any] | None = None,
+                 quantization: str = "auto") -> None:
         super().__init__(context)
+        self.quantization = check_quantization(quantization)
         for name, value in (("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -272,11 +275,13 @@ class ModelWorker(WorkerBase):
                                     dtype=self.dtype, device=self.device, max_positions=max_len,
                                     dcp_group=self.dcp_group, dcp_head_counts=head_counts,
                                     expert_parallel=self.expert_parallel,
-                                    ep_group=self.ep_group, dp_group=self.dp_group)
+                                    ep_group=self.ep_group, dp_group=self.dp_group,
+                                    quantization=self.quantization)
         experts = self.stage.experts_held()
-        logger.info("rank %d (PP stage %d/%d) holds %s%s; %s on %s", self.rank, self.pp_rank,
-                    self.pp_size, share.describe(), f", experts {experts}" if experts else "",
-                    self.dtype, self.device)
+        logger.info("rank %d (PP stage %d/%d) holds %s%s; %s on %s, weights %s", self.rank,
+                    self.pp_rank, self.pp_size, share.describe(),
+                    f", experts {experts}" if experts else "", self.dtype, self.device,
+                    self.stage.packed)
 
     def _require_stage(self) -> LlamaStage:
         if self.stage is None:

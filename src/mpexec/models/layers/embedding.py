@@ -7,6 +7,10 @@ Each TP rank holds the rows ``[vocab_start, vocab_stop)`` of the embedding
   for the others, and the all-reduce sums the one non-zero contribution.
 - LM head: a rank computes the logits of its rows; ``all_gather`` along the
   vocabulary dimension (uneven slices allowed) gives every rank the full row.
+
+The embedding's rows may be packed (``quantized.GroupRows`` or
+``Int8Weight``: a lookup gathers and scales the rows it needs), and so may
+the head's weight (any ``quantized.Weight``).
 """
 
 from __future__ import annotations
@@ -15,33 +19,42 @@ import torch
 import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
+from mpexec.models.layers.quantized import Rows, Weight, matmul
 
 
 class VocabParallelEmbedding:
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group: ParallelGroup) -> None:
+    def __init__(self, weight: Rows, vocab_start: int, group: ParallelGroup,
+                 dtype: torch.dtype | None = None) -> None:
         self.weight = weight
         self.vocab_start = vocab_start
-        self.vocab_stop = vocab_start + weight.shape[0]
+        rows = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.out_features
+        self.vocab_stop = vocab_start + rows
         self.group = group
+        self.dtype = dtype or torch.float32  # of a packed weight's rows
 
     def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_stop)
         local = (token_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, torch.Tensor):
+            return F.embedding(ids, self.weight)
+        return self.weight.rows(ids, self.dtype)
 
 
 class ParallelLMHead:
     """Full float32 logits on every rank from this rank's vocabulary rows."""
 
-    def __init__(self, weight: torch.Tensor, group: ParallelGroup) -> None:
+    def __init__(self, weight: Weight, group: ParallelGroup) -> None:
         self.weight = weight
         self.group = group
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = matmul(hidden, self.weight).float()
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits

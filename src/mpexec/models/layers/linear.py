@@ -7,39 +7,40 @@ matching *input* columns (``W[:, cols]``); every rank's partial product is
 summed by the TP all-reduce, and the bias (held whole by every rank) is
 added once, after the sum.  Several column-parallel weights that read the
 same input (q/k/v, gate/up) are stored concatenated so that one matmul
-replaces three or two.
+replaces three or two.  A weight is a float tensor or a packed one
+(``quantized.Int4Weight`` / ``Int8Weight``); ``quantized.matmul`` applies either.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
+from mpexec.models.layers.quantized import Weight, matmul
 
 
 class ColumnParallelLinear:
     """``x @ weight.T + bias`` for this rank's output rows; no communication."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear:
     """This rank's input columns; the partial products summed over the group."""
 
-    def __init__(self, weight: torch.Tensor, group: ParallelGroup,
+    def __init__(self, weight: Weight, group: ParallelGroup,
                  bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.group = group
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = matmul(x, self.weight)
         if self.group.world_size > 1:
             out = self.group.all_reduce(out)
         if self.bias is not None:

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from mpexec.models.config import CheckpointError, ModelConfig
 
+# (q, scale, minimum): uint8 values, float32 per group of 32; x = scale·q + minimum
+FourBitGroups = tuple["np.ndarray", "np.ndarray", "np.ndarray"]
+
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from mpexec.models.tokenizer import Tokenizer
@@ -132,15 +136,7 @@ class Checkpoint:
         import torch
 
         shape = self.shape(name)
-        if dim is None:
-            dim, start, stop = 0, 0, shape[0]
-        if not -len(shape) <= dim < len(shape):
-            raise IndexError(f"{self.path}: {name} has {len(shape)} dims, asked for dim {dim}")
-        dim %= len(shape)
-        stop = shape[dim] if stop is None else stop
-        if not 0 <= start <= stop <= shape[dim]:
-            raise IndexError(f"{self.path}: {name}: slice [{start}:{stop}] outside "
-                             f"0..{shape[dim]} along dim {dim}")
+        dim, start, stop = self._check_slice(name, dim, start, stop)
         if start == stop:  # an empty share (more ranks than rows) reads nothing
             empty = list(shape)
             empty[dim] = 0
@@ -156,6 +152,43 @@ class Checkpoint:
         else:
             tensor = self._read_slice(name, dim, start, stop)
         return tensor.to(torch.float32 if dtype is None else dtype)
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the file stores ``name`` in a quantised (block) encoding."""
+        return False
+
+    def read_groups(self, name: str, dim: int | None = None, start: int = 0,
+                    stop: int | None = None) -> FourBitGroups | None:
+        """The slice of a 2-D weight as its stored groups of 32 (see
+        ``quants.groups_of``), exactly; None when the tensor's type has no such
+        groups or a column slice does not fall on group edges."""
+        shape = self.shape(name)
+        if len(shape) != 2:
+            return None
+        dim, start, stop = self._check_slice(name, dim, start, stop)
+        if start == stop:
+            return None
+        stored, first = name, 0
+        view = self._views.get(name)
+        if view is not None:
+            stored, first = view[0], view[1]
+        if dim == 0:
+            return self._read_groups(stored, first + start, first + stop, 0, shape[1])
+        return self._read_groups(stored, first, first + shape[0], start, stop)
+
+    def _check_slice(self, name: str, dim: int | None, start: int,
+                     stop: int | None) -> tuple[int, int, int]:
+        shape = self.shape(name)
+        if dim is None:
+            return 0, 0, shape[0]
+        if not -len(shape) <= dim < len(shape):
+            raise IndexError(f"{self.path}: {name} has {len(shape)} dims, asked for dim {dim}")
+        dim %= len(shape)
+        stop = shape[dim] if stop is None else stop
+        if not 0 <= start <= stop <= shape[dim]:
+            raise IndexError(f"{self.path}: {name}: slice [{start}:{stop}] outside "
+                             f"0..{shape[dim]} along dim {dim}")
+        return dim, start, stop
 
     def tokenizer(self) -> Tokenizer:
         raise NotImplementedError
@@ -177,6 +210,10 @@ class Checkpoint:
 
     def _read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _read_groups(self, name: str, row0: int, row1: int, col0: int,
+                     col1: int) -> FourBitGroups | None:
+        return None
 
     def _check_tensors(self, found: dict[str, tuple[int, ...]], where: dict[str, Any]) -> None:
         """Every expected tensor present with its shape; ``where[name]`` names its file."""

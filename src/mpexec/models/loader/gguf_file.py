@@ -8,6 +8,8 @@
         columns [start:stop] (last dim)  → only the blocks that cover them (32
                                            elements, 256 for K-quant super-blocks)
         ─► quants.dequantize (gguf.quants) ─► Q/K rows put back in Hugging Face order
+    read_groups(hf_name, dim, start, stop)   (Q4_0, Q4_1, Q4_K, Q8_0: kept packed)
+        the same blocks ─► quants.groups_of ─► (q, scale, minimum), same order
 
 Layout: GGUF lists dimensions fastest first (``ne[0]`` is the row length), so
 a torch ``(out, in)`` weight appears as ``[in, out]``; the file's bytes are the
@@ -40,9 +42,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mpexec.models.config import CheckpointError, ModelConfig
-from mpexec.models.loader.base import Checkpoint
+from mpexec.models.loader.base import Checkpoint, FourBitGroups
 from mpexec.models.loader.gguf_header import TensorEntry, read_header
-from mpexec.models.loader.quants import Encoding, dequantize, encoding_of, supported_names
+from mpexec.models.loader.quants import (
+    GROUP,
+    GROUPED,
+    Encoding,
+    dequantize,
+    encoding_of,
+    groups_of,
+    supported_names,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -285,6 +295,36 @@ class GGUFCheckpoint(Checkpoint):
         self.bytes_read += raw.size
         values = dequantize(raw, info.encoding)
         return values[:, col0 - block0 * per_block: col1 - block0 * per_block]
+
+    def is_quantized(self, name: str) -> bool:
+        view = self._views.get(name)
+        info = self._infos[view[0] if view is not None else name]
+        return info.encoding.block_elements > 1
+
+    def _read_groups(self, name: str, row0: int, row1: int, col0: int,
+                     col1: int) -> FourBitGroups | None:
+        info = self._infos[name]
+        if info.encoding.ggml_type not in GROUPED or col0 % GROUP or col1 % GROUP:
+            return None
+        head = self._permuted_heads.get(name)
+        first, last = row0, row1
+        if head is not None:  # whole heads, then undo the interleave, then trim
+            first, last = row0 // head * head, -(-row1 // head) * head
+        per_block, width = info.encoding.block_elements, info.encoding.block_bytes
+        block0, block1 = col0 // per_block, -(-col1 // per_block)
+        table = self._data[info.offset: info.offset + info.rows * info.row_bytes]
+        raw = np.asarray(table).reshape(info.rows, info.row_bytes)[
+            first:last, block0 * width: block1 * width]
+        self.bytes_read += raw.size
+        skip = col0 - block0 * per_block
+        parts = []
+        for part, unit in zip(groups_of(raw, info.encoding), (1, GROUP, GROUP),
+                              strict=True):
+            part = part[:, skip // unit: (skip + col1 - col0) // unit]
+            if head is not None:
+                part = _unpermute(part, head)
+            parts.append(np.ascontiguousarray(part[row0 - first: row1 - first]))
+        return parts[0], parts[1], parts[2]
 
     def metadata(self) -> dict[str, Any]:
         """Every GGUF metadata key → its decoded value."""

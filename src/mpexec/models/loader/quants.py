@@ -132,3 +132,68 @@ def _dequantize_own(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """16 packed bytes per block → 32 values: low nibbles first, then high."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
+
+
+# ── groups of 32, for weights kept packed ─────────────────────────────────
+
+Q5_0, Q5_1, Q4_K = 6, 7, 12
+GROUP = 32  # elements that share one scale and minimum in every type below
+GROUPED = (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0)
+
+
+def groups_of(raw: Any, encoding: Encoding) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``raw`` (rows, bytes per row) of a type in ``GROUPED`` → ``(q, scale, minimum)``,
+    exactly.
+
+    ``q``: uint8 ``(rows, cols)`` (0..15 for the 4-bit types, 0..31 for the
+    5-bit ones, 0..255 for Q8_0);
+    ``scale``, ``minimum``: float32 ``(rows, cols / 32)``; element
+    ``x = scale·q + minimum`` of its group of 32.
+
+        Q8_0   scale d, minimum −128·d   (q = the stored int8 + 128)
+        Q5_0   22 bytes: f16 d, 32 high bits (bit j: element j), 16 bytes of
+               nibbles as Q4_0;  scale d, minimum −16·d
+        Q5_1   24 bytes: f16 d, f16 m, then as Q5_0;  scale d, minimum m
+        Q4_0   scale d, minimum −8·d
+        Q4_1   scale d, minimum m
+        Q4_K   144-byte super-block of 256: f16 d, f16 dmin, 12 bytes of eight
+               6-bit (sc, m) pairs, 128 bytes of nibbles (chunk j of 64 elements:
+               32 bytes, sub-block 2j in the low nibbles, 2j+1 in the high);
+               sub-block s: scale d·sc[s], minimum −dmin·m[s]
+    """
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows, kind = raw.shape[0], encoding.ggml_type
+    blocks = raw.reshape(rows, -1, encoding.block_bytes)
+    half = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    if kind == Q8_0:
+        q = (blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(rows, -1), half, -128 * half
+    if kind in (Q5_0, Q5_1):
+        start = 4 if kind == Q5_1 else 2
+        bits = blocks[..., start:start + 4].copy().view(np.uint32)  # (rows, blocks, 1)
+        high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        nibbles = blocks[..., start + 4:]
+        q = (np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | high << 4)
+        if kind == Q5_0:
+            return q.reshape(rows, -1), half, -16 * half
+        minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        return q.reshape(rows, -1), half, minimum
+    if kind in (Q4_0, Q4_1):
+        nibbles = blocks[..., 4:] if kind == Q4_1 else blocks[..., 2:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+        if kind == Q4_0:
+            return q, half, -8 * half
+        return q, half, blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    if kind != Q4_K:
+        raise ValueError(f"{encoding.name} is not a type with groups of {GROUP}")
+    import gguf
+
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    sc = sc.reshape(rows, -1, 8).astype(np.float32)
+    m = m.reshape(rows, -1, 8).astype(np.float32)
+    scale = (half[..., None] * sc).reshape(rows, -1)
+    minimum = (-dmin * m).reshape(rows, -1)
+    nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-2).reshape(rows, -1)
+    return q, scale, minimum
