@@ -34,8 +34,8 @@ def test_uni_keeps_every_failure_callback_and_runs_each_once() -> None:
         ex.register_failure_callback(lambda: calls.append("engine"))
         ex.register_failure_callback(lambda: calls.append("user"))
         assert not ex.is_failed and calls == []
-        ex._fire_failure_callback()  # what a failure of the in-process worker runs
-        ex._fire_failure_callback()
+        ex.lifecycle.fire_callbacks()  # what a failure of any backend runs
+        ex.lifecycle.fire_callbacks()
     assert calls == ["engine", "user"]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import threading
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,8 +21,10 @@ from types import TracebackType
 from typing import Any
 
 from mpexec.config import ExecutorConfig
+from mpexec.executor.lifecycle import FailureCallback, Lifecycle
 from mpexec.executor.ranks import output_rank
 from mpexec.executor.stats import CallStats, MethodStats
+from mpexec.executor.termination import TerminationPolicy
 from mpexec.outputs import (
     DraftTokenIds,
     GrammarOutput,
@@ -32,7 +33,6 @@ from mpexec.outputs import (
     SchedulerOutput,
 )
 
-FailureCallback = Callable[[], None]
 logger = logging.getLogger(__name__)
 
 _BACKENDS = {
@@ -102,11 +102,10 @@ class Executor(metaclass=_StartedOnConstruction):
         self.config = config
         self.parallel_config = config.parallel
         self.scheduler_config = config.scheduler
-        self._failed = False
-        # Every callback registered, each run once (the engine registers its
-        # own, so a user's must not replace it): the same on every backend.
-        self._failure_callbacks: list[FailureCallback] = []
-        self._callback_lock = threading.Lock()
+        # One state machine for every backend: READY, CLOSED, FAILED, the first
+        # failure and the failure callbacks (``lifecycle``).
+        self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
+        self.lifecycle = Lifecycle(self.termination)
         self.kv_output_aggregator: KVOutputAggregator | None = (
             KVOutputAggregator(config.parallel.world_size)
             if config.aggregate_kv_outputs else None
@@ -199,14 +198,14 @@ class Executor(metaclass=_StartedOnConstruction):
     @property
     def is_failed(self) -> bool:
         """True once a worker died; every later call raises ``WorkerDiedError``."""
-        return self._failed
+        return self.lifecycle.failed
 
     @property
     def failure(self) -> BaseException | None:
         """Why the executor failed: the first failure's error (a
         ``WorkerDiedError`` naming the rank, pid and signal), kept however
         long ago it happened; None while it has not failed."""
-        return None
+        return self.lifecycle.first_error
 
     @property
     def death_verdict_s(self) -> float:
@@ -223,18 +222,7 @@ class Executor(metaclass=_StartedOnConstruction):
         were registered.  A callback that raises is logged at ERROR; it never
         reaches the thread that noticed the failure, nor stops the others.
         """
-        with self._callback_lock:
-            if not self.is_failed:
-                self._failure_callbacks.append(callback)
-                return
-        _run_callback(callback)
-
-    def _fire_failure_callback(self) -> None:
-        """Run the registered callbacks once; call only after the executor failed."""
-        with self._callback_lock:
-            callbacks, self._failure_callbacks = self._failure_callbacks, []
-        for callback in callbacks:
-            _run_callback(callback)
+        self.lifecycle.register_callback(callback)
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -262,13 +250,6 @@ class Executor(metaclass=_StartedOnConstruction):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.shutdown()
-
-
-def _run_callback(callback: FailureCallback) -> None:
-    try:
-        callback()
-    except Exception:
-        logger.exception("The executor's failure callback %r raised", callback)
 
 
 def check_call(args: Any, kwargs: Any, timeout: Any, unique_reply_rank: Any,

@@ -52,15 +52,14 @@ import cloudpickle
 
 from mpexec.config import ExecutorConfig
 from mpexec.errors import QueueClosedError
-from mpexec.executor.abstract import Executor, FailureCallback, check_call
+from mpexec.executor.abstract import Executor, check_call
 from mpexec.executor.futures import CallOrder, Finish, FutureWrapper, PendingCall, ReplyReader
 from mpexec.executor.launcher import WatchedWorker
-from mpexec.executor.lifecycle import Lifecycle, State
+from mpexec.executor.lifecycle import State
 from mpexec.executor.protocol import Reply, aggregate_replies, decode_replies
 from mpexec.executor.pump import ReplyPump
 from mpexec.executor.ranks import global_start_rank
 from mpexec.executor.replies import ReplyRouter
-from mpexec.executor.termination import TerminationPolicy
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.verdict import closing_rank, first_gone
 from mpexec.ipc import MessageQueue
@@ -84,8 +83,6 @@ class Driver(Executor):
             else monitor_workers
         self.world_size = config.parallel.world_size
         self.local_world_size = config.parallel.local_world_size
-        self.termination = TerminationPolicy(config.shutdown_grace_s, config.shutdown_term_s)
-        self.lifecycle = Lifecycle(self.termination)
         self.tracer = Tracer.create(config.trace, "Executor", config.trace_exporter)
         if self.tracer.enabled:
             # Only a traced executor pays for the span around each call and
@@ -164,18 +161,6 @@ class Driver(Executor):
         raise NotImplementedError
 
     # -- health ---------------------------------------------------------------------
-
-    @property
-    def is_failed(self) -> bool:
-        return self.lifecycle.failed
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.lifecycle.first_error
-
-    def register_failure_callback(self, callback: FailureCallback) -> None:
-        """Call ``callback`` once when the executor fails (at once if it has)."""
-        self.lifecycle.register_callback(callback)
 
     def start_worker_monitor(self, inline: bool = False) -> None:
         """Watch the worker processes; ``inline`` runs the watch in this thread."""

@@ -114,6 +114,9 @@ class Lifecycle:
         # Set once the monitor stops polling the death descriptors (or never
         # will): only then may teardown close them.
         self._polling_done = threading.Event()
+        # The backend's own last steps (an in-process worker's shutdown),
+        # run once by whichever teardown happens.
+        self._at_teardown: list[Callable[[], None]] = []
 
     # -- state ---------------------------------------------------------------------
 
@@ -136,6 +139,10 @@ class Lifecycle:
             if self.state is not State.FAILED:
                 self.state = State.CLOSED
         return orderly
+
+    def at_teardown(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once, at the end of the teardown (orderly or after a failure)."""
+        self._at_teardown.append(step)
 
     def closed_error(self) -> Exception:
         """What a call sees once the executor is no longer usable: after a
@@ -314,6 +321,11 @@ class Lifecycle:
                     os.close(fd)
             if self.port is not None:
                 self.port.close()
+            for step in self._at_teardown:
+                try:
+                    step()
+                except Exception:
+                    logger.exception("an executor's teardown step %r raised", step)
         finally:
             self._torn_down.set()
             self._teardown_lock.release()

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import PeerDeathSymptom, QueueClosedError, WorkerError
+from mpexec.errors import PeerDeathSymptom, WorkerError
 from mpexec.executor.abstract import Executor, check_call
 from mpexec.executor.protocol import qualified_type_name
 from mpexec.executor.spec import init_method, worker_contexts
@@ -43,12 +43,12 @@ class UniProcExecutor(Executor):
     def __init__(self, config: ExecutorConfig) -> None:
         super().__init__(config)
         self.driver_worker = WorkerWrapperBase(rpc_rank=0, global_rank=0)
-        self.shutting_down = False
         self.shared_worker_lock: Any = None
         # Held while the worker runs a call: one call at a time, in order.
         self._worker_busy = threading.Lock()
         self._timed_calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._timed_thread: threading.Thread | None = None
+        self.lifecycle.at_teardown(self._end_worker)
 
     def _init_executor(self) -> None:
         parallel = self.parallel_config
@@ -64,6 +64,7 @@ class UniProcExecutor(Executor):
         self.driver_worker.init_worker_from_context(context)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
+        self.lifecycle.mark_ready()
         self._post_init_executor()
 
     def collective_rpc(
@@ -76,8 +77,8 @@ class UniProcExecutor(Executor):
         unique_reply_rank: int | None = None,
         kv_output_aggregator: KVOutputAggregator | None = None,
     ) -> Any:
-        if self.shutting_down:
-            raise QueueClosedError("collective_rpc on an executor that is shut down")
+        if not self.lifecycle.usable:
+            raise self.lifecycle.closed_error()
         check_call(args, kwargs, timeout, unique_reply_rank, 1)
         name = method if isinstance(method, str) else getattr(method, "__qualname__", "callable")
         started = time.perf_counter()
@@ -145,9 +146,10 @@ class UniProcExecutor(Executor):
         self.collective_rpc("check_health", timeout=self.config.check_health_timeout_s)
 
     def shutdown(self) -> None:
-        if self.shutting_down:
-            return
-        self.shutting_down = True
+        """End the worker; idempotent, any thread (the lifecycle runs it once)."""
+        self.lifecycle.close()
+
+    def _end_worker(self) -> None:
         if self._timed_thread is not None:
             self._timed_calls.put(None)  # after whatever call it still runs
         self.driver_worker.shutdown()
