@@ -62,7 +62,7 @@ def test_every_reader_gets_every_message_in_order(trio: Any) -> None:
         got_local.append(local.dequeue(5)["i"])
         got_remote.append(remote.dequeue(5)["i"])
     assert got_local == got_remote == list(range(200))
-    assert remote.drops.total == 0 and writer.drops.total == 0
+    assert remote.drops.total == 0 and writer.transport.drops.total == 0
 
 
 def test_slow_remote_reader_slows_the_writer_and_loses_nothing(trio: Any) -> None:
@@ -101,7 +101,7 @@ def test_wrong_secret_is_refused_with_a_clear_error() -> None:
             writer.wait_until_ready(0.5)  # it never counts the impostor as a reader
         with pytest.raises(AuthenticationError, match="cluster secret differs"):
             reader.wait_until_ready(30)
-        assert writer.drops.by_reason["bad mac"] >= 1
+        assert writer.transport.drops.by_reason["bad mac"] >= 1
     finally:
         reader.shutdown()
         writer.shutdown()
@@ -238,7 +238,7 @@ def test_curve_encrypts_and_a_plaintext_or_wrong_secret_peer_gets_nothing(
         for impostor in (plain, wrong):
             with pytest.raises(AuthenticationError, match=r"handshake .* failed: CURVE"):
                 impostor.wait_until_ready(30)
-        assert writer.drops.total == 0  # refused inside ZeroMQ, before any frame
+        assert writer.transport.drops.total == 0  # refused inside ZeroMQ, before any frame
         right = MessageQueue.create_from_handle(handle, 1, secret=SECRET)
         try:
             ready2 = threading.Thread(target=right.wait_until_ready, args=(10,))
