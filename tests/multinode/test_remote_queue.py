@@ -19,7 +19,13 @@ zmq = pytest.importorskip("zmq")
 np = pytest.importorskip("numpy")
 
 from mpexec.errors import QueueClosedError, UndecodableMessageError  # noqa: E402
-from mpexec.ipc import MessageQueue  # noqa: E402
+from mpexec.ipc import (  # noqa: E402
+    MessageQueue,
+    MessageQueueReader,
+    MessageQueueWriter,
+    QueueReader,
+    QueueWriter,
+)
 from mpexec.ipc.auth import (  # noqa: E402
     DATA,
     AuthenticationError,
@@ -27,6 +33,7 @@ from mpexec.ipc.auth import (  # noqa: E402
     FrameAuth,
     derive_key,
 )
+from mpexec.ipc.remote import RemoteReader, RemoteWriter  # noqa: E402
 from tests.multinode.remote_helpers import SECRET, trio_queues  # noqa: E402
 
 
@@ -52,6 +59,23 @@ def test_handle_names_where_remote_readers_connect() -> None:
             MessageQueue.create_from_handle(handle, 7, secret=SECRET)
     finally:
         writer.shutdown()
+
+
+def test_remote_ends_are_their_own_types_each_with_its_protocol(trio: Any) -> None:
+    """The remote writer holds a shared-memory writer for its local ranks (it
+    does not inherit one); the remote reader holds no ring at all."""
+    writer, local, remote = trio
+    assert type(writer.transport) is RemoteWriter and type(remote) is RemoteReader
+    assert type(local) is MessageQueueReader
+    assert isinstance(writer.transport._local, MessageQueueWriter)
+    assert isinstance(writer.transport, QueueWriter)
+    assert not isinstance(writer.transport, QueueReader)
+    assert isinstance(remote, QueueReader) and not isinstance(remote, QueueWriter)
+    assert not hasattr(remote, "enqueue") and not hasattr(writer.transport, "dequeue")
+    assert not hasattr(remote, "_ring") and not hasattr(remote, "_guard")
+    for cls in (RemoteWriter, RemoteReader):
+        assert MessageQueue not in cls.__mro__ and MessageQueueWriter not in cls.__mro__
+    assert writer.unattached_ranks() == []
 
 
 def test_every_reader_gets_every_message_in_order(trio: Any) -> None:
