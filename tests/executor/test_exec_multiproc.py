@@ -113,8 +113,9 @@ def test_failure_callback_runs_once_when_registered_before() -> None:
 def test_queues_that_sleep_at_once_still_answer_every_call() -> None:
     # mq_spin_s=0: every wait, on both sides, goes straight to the futex.
     with MultiprocExecutor(make_config(tp=2, mq_spin_s=0.0)) as ex:
-        assert ex.rpc_broadcast_mq is not None and ex.rpc_broadcast_mq._spin_s == 0.0
-        assert all(mq._spin_s == 0.0 for mq in ex.response_mqs)
+        assert ex.rpc_broadcast_mq is not None
+        assert ex.rpc_broadcast_mq.transport._ring.spin_s == 0.0
+        assert all(mq._ring.spin_s == 0.0 for mq in ex.response_mqs)
         for i in range(200):
             assert ex.collective_rpc("echo", args=(i,)) == [i, i]
 

@@ -37,8 +37,7 @@ pytest.importorskip("zmq")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from mpexec.ipc.remote import RemoteWriter  # noqa: E402
-from mpexec.ipc.remote_reader import RemoteReader  # noqa: E402
+from mpexec.ipc.remote import RemoteReader, RemoteWriter  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -86,7 +85,7 @@ def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
     rank = remote_rank(ex)
     # A collective's failure may wait for a death as across mp's nodes.
     assert ex.death_verdict_s == ex.config.node_timeout_s + 2 * ex.config.node_heartbeat_s
-    assert isinstance(ex.rpc_broadcast_mq, RemoteWriter)
+    assert isinstance(ex.rpc_broadcast_mq.transport, RemoteWriter)
     assert [isinstance(mq, RemoteReader) for mq in ex.response_mqs] == [
         r == rank for r in range(2)]
     check_calls(ex)
@@ -154,7 +153,7 @@ def test_cluster_curve_encrypts_the_queues_between_ray_nodes(made: list[Any]) ->
 
     ex = spread(made, cluster_curve=True)
     rank = remote_rank(ex)
-    broadcast = ex.rpc_broadcast_mq
+    broadcast = ex.rpc_broadcast_mq.transport
     assert isinstance(broadcast, RemoteWriter) and broadcast.export_handle().remote_curve
     assert broadcast._sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
     reply = ex.response_mqs[rank]

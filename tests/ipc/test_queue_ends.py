@@ -13,6 +13,8 @@ from mpexec.ipc import (
     MessageQueue,
     MessageQueueReader,
     MessageQueueWriter,
+    QueueReader,
+    QueueWriter,
     waiting,
 )
 from tests.ipc import peers
@@ -28,19 +30,41 @@ class CountsPickles:
         return CountsPickles, ()
 
 
-def test_writer_and_reader_are_two_types_behind_one_name() -> None:
+def test_writer_and_reader_are_two_types_each_with_its_own_operations() -> None:
     writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
     reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
     try:
-        assert type(writer) is MessageQueueWriter and type(reader) is MessageQueueReader
-        assert isinstance(writer, MessageQueue) and isinstance(reader, MessageQueue)
-        with pytest.raises(RuntimeError, match=r"writer end .* only the reader"):
-            writer.dequeue(timeout=0)
-        with pytest.raises(RuntimeError, match=r"reader end .* only the writer"):
-            reader.encode(1)
-        with pytest.raises(RuntimeError, match="reader end"):
-            reader.export_handle()
+        assert type(writer.transport) is MessageQueueWriter and type(reader) is MessageQueueReader
+        for end in (writer, writer.transport):
+            assert isinstance(end, QueueWriter) and not isinstance(end, QueueReader)
+        assert isinstance(reader, QueueReader) and not isinstance(reader, QueueWriter)
+        # No end carries the other's operations, not even as a stub that refuses.
+        for name in ("dequeue",):
+            assert not hasattr(writer, name) and not hasattr(writer.transport, name)
+        for name in ("enqueue", "encode", "export_handle", "lagging_ranks"):
+            assert not hasattr(reader, name)
+        with pytest.raises(AttributeError):
+            reader.encode(1)  # type: ignore[attr-defined]
         assert writer.export_handle().remote_subscribe_addr is None  # all local
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+
+
+def test_the_ends_compose_their_shared_memory_state_rather_than_inherit_it() -> None:
+    """Neither shared-memory end inherits from the other, nor from MessageQueue:
+    each holds a RingEnd (the mapping, the guard, the waits)."""
+    from mpexec.ipc.endpoint import RingEnd
+
+    assert MessageQueueWriter.__mro__ == (MessageQueueWriter, object)
+    assert MessageQueueReader.__mro__ == (MessageQueueReader, object)
+    assert MessageQueue.__mro__ == (MessageQueue, object)
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        assert isinstance(writer.transport._ring, RingEnd)
+        assert isinstance(reader, MessageQueueReader) and isinstance(reader._ring, RingEnd)
+        assert writer.transport._ring is not reader._ring
     finally:
         reader.shutdown()
         writer.shutdown()
@@ -149,6 +173,6 @@ def test_queue_over_a_process_group(method: str, world: int, writer_rank: int) -
             box.close()
             box.join_thread()
     kinds = [kind for _, kind, _ in reports]
-    assert kinds == ["MessageQueueWriter" if r == writer_rank else "MessageQueueReader"
+    assert kinds == ["MessageQueue" if r == writer_rank else "MessageQueueReader"
                      for r in range(world)]
     assert len({tuple(got) for _, _, got in reports}) == 1   # every rank got the same

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from mpexec.errors import QueueClosedError
-from mpexec.ipc import MessageQueue, message_queue as message_queue_module
+from mpexec.ipc import MessageQueue, endpoint
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -131,7 +131,7 @@ def test_shutdown_between_enqueues_first_look_and_its_write() -> None:
 def test_a_call_still_inside_after_the_grace_releases_on_its_way_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """shutdown() stops waiting for the call; the call, leaving, releases."""
-    monkeypatch.setattr(message_queue_module, "_CLOSE_GRACE_S", 0.0)
+    monkeypatch.setattr(endpoint, "_CLOSE_GRACE_S", 0.0)
     writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2, name="grace")
     reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
     try:

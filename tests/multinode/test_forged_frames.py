@@ -202,10 +202,10 @@ def test_forged_control_frames_at_the_writer_port_are_dropped(trio: Any) -> None
             attacker.send_multipart(forger.seal(4, 1, 10**6 + i, []) if i % 2
                                     else [os.urandom(36), os.urandom(32)])
         deadline = time.monotonic() + 30
-        while writer.drops.total < 1000 and time.monotonic() < deadline:
+        while writer.transport.drops.total < 1000 and time.monotonic() < deadline:
             writer.enqueue("tick")
             assert local.dequeue(5) == "tick" and remote.dequeue(5) == "tick"
-        assert writer.drops.total == 1000
+        assert writer.transport.drops.total == 1000
         # A forged ACK gave no credit: back-pressure still follows the real reader.
         writer.enqueue("still fine")
         assert remote.dequeue(5) == "still fine" and local.dequeue(5) == "still fine"

@@ -19,7 +19,13 @@ zmq = pytest.importorskip("zmq")
 np = pytest.importorskip("numpy")
 
 from mpexec.errors import QueueClosedError, UndecodableMessageError  # noqa: E402
-from mpexec.ipc import MessageQueue  # noqa: E402
+from mpexec.ipc import (  # noqa: E402
+    MessageQueue,
+    MessageQueueReader,
+    MessageQueueWriter,
+    QueueReader,
+    QueueWriter,
+)
 from mpexec.ipc.auth import (  # noqa: E402
     DATA,
     AuthenticationError,
@@ -27,6 +33,7 @@ from mpexec.ipc.auth import (  # noqa: E402
     FrameAuth,
     derive_key,
 )
+from mpexec.ipc.remote import RemoteReader, RemoteWriter  # noqa: E402
 from tests.multinode.remote_helpers import SECRET, trio_queues  # noqa: E402
 
 
@@ -54,6 +61,23 @@ def test_handle_names_where_remote_readers_connect() -> None:
         writer.shutdown()
 
 
+def test_remote_ends_are_their_own_types_each_with_its_protocol(trio: Any) -> None:
+    """The remote writer holds a shared-memory writer for its local ranks (it
+    does not inherit one); the remote reader holds no ring at all."""
+    writer, local, remote = trio
+    assert type(writer.transport) is RemoteWriter and type(remote) is RemoteReader
+    assert type(local) is MessageQueueReader
+    assert isinstance(writer.transport._local, MessageQueueWriter)
+    assert isinstance(writer.transport, QueueWriter)
+    assert not isinstance(writer.transport, QueueReader)
+    assert isinstance(remote, QueueReader) and not isinstance(remote, QueueWriter)
+    assert not hasattr(remote, "enqueue") and not hasattr(writer.transport, "dequeue")
+    assert not hasattr(remote, "_ring") and not hasattr(remote, "_guard")
+    for cls in (RemoteWriter, RemoteReader):
+        assert MessageQueue not in cls.__mro__ and MessageQueueWriter not in cls.__mro__
+    assert writer.unattached_ranks() == []
+
+
 def test_every_reader_gets_every_message_in_order(trio: Any) -> None:
     writer, local, remote = trio
     got_local, got_remote = [], []
@@ -62,7 +86,7 @@ def test_every_reader_gets_every_message_in_order(trio: Any) -> None:
         got_local.append(local.dequeue(5)["i"])
         got_remote.append(remote.dequeue(5)["i"])
     assert got_local == got_remote == list(range(200))
-    assert remote.drops.total == 0 and writer.drops.total == 0
+    assert remote.drops.total == 0 and writer.transport.drops.total == 0
 
 
 def test_slow_remote_reader_slows_the_writer_and_loses_nothing(trio: Any) -> None:
@@ -101,7 +125,7 @@ def test_wrong_secret_is_refused_with_a_clear_error() -> None:
             writer.wait_until_ready(0.5)  # it never counts the impostor as a reader
         with pytest.raises(AuthenticationError, match="cluster secret differs"):
             reader.wait_until_ready(30)
-        assert writer.drops.by_reason["bad mac"] >= 1
+        assert writer.transport.drops.by_reason["bad mac"] >= 1
     finally:
         reader.shutdown()
         writer.shutdown()
@@ -238,7 +262,7 @@ def test_curve_encrypts_and_a_plaintext_or_wrong_secret_peer_gets_nothing(
         for impostor in (plain, wrong):
             with pytest.raises(AuthenticationError, match=r"handshake .* failed: CURVE"):
                 impostor.wait_until_ready(30)
-        assert writer.drops.total == 0  # refused inside ZeroMQ, before any frame
+        assert writer.transport.drops.total == 0  # refused inside ZeroMQ, before any frame
         right = MessageQueue.create_from_handle(handle, 1, secret=SECRET)
         try:
             ready2 = threading.Thread(target=right.wait_until_ready, args=(10,))

@@ -15,7 +15,7 @@ pytest.importorskip("zmq")
 
 from mpexec.errors import QueueClosedError
 from mpexec.ipc import MessageQueue
-from mpexec.ipc.resend import ResendLog
+from mpexec.ipc.remote.resend import ResendLog
 from tests.multinode.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -68,7 +68,7 @@ def test_every_message_arrives_once_in_order_across_cut_connections(proxied: Any
     assert got == list(range(n))
     assert proxy.cuts == 5 and proxy.accepted >= 2
     # Resent copies of what did arrive are duplicates, not forgeries.
-    assert reader.drops.total == 0 and writer.drops.total == 0
+    assert reader.drops.total == 0 and writer.transport.drops.total == 0
 
 
 def _lose_in_flight(writer: MessageQueue, reader: MessageQueue, proxy: TcpProxy,
@@ -93,7 +93,7 @@ def test_the_last_message_lost_is_resent_though_the_writer_is_idle(proxied: Any)
     # The writer publishes nothing more: the reader's RESUME (after silence)
     # reaches the writer's service thread, which resends.
     assert reader.dequeue(20) == "lost in flight"
-    assert writer.resent >= 1 and reader.recovery["resume after silence"] >= 1
+    assert writer.transport.resent >= 1 and reader.recovery["resume after silence"] >= 1
     writer.enqueue("after")
     assert reader.dequeue(10) == "after"
     assert reader.drops.total == 0
@@ -114,7 +114,7 @@ def test_a_message_lost_just_before_close_is_resent_before_the_reader_stops(
             reader.dequeue(20)
     finally:
         closing.join(20)
-    assert writer.resent >= 1 and reader.drops.total == 0
+    assert writer.transport.resent >= 1 and reader.drops.total == 0
 
 
 def test_writer_keeps_at_most_a_window_and_refuses_old_control_frames() -> None:

@@ -37,9 +37,11 @@ class CurveUnavailableError(MpexecError, RuntimeError):
 
 
 def _zmq() -> Any:
-    from mpexec.ipc.remote_socket import zmq_module
-
-    return zmq_module()
+    try:
+        import zmq
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("CURVE needs pyzmq: pip install 'mpexec[multinode]'") from exc
+    return zmq
 
 
 def require_curve() -> None:

@@ -1,11 +1,12 @@
-"""The state one end of a MessageQueue holds, and how it watches the other end.
+"""What a shared-memory end of a queue holds, and how it watches the other end.
 
-:class:`QueueEnd` sets every attribute of a queue end in one place (writer and
-reader alike), and carries what both ends share: the slow-path wait, the
-liveness checks run on every tick of a wait, and the progress line that says
-who is behind.  :class:`EndGuard` is the one owner of an end's shared memory:
-who is inside it, whether it is closed, and its one release.  The protocol
-itself is in ``message_queue``.
+:class:`RingEnd` is one process's view of the ring, held (not inherited) by
+the shared-memory writer and by each shared-memory reader: the mapping, the
+peers it watches, and what both ends share: the slow-path wait, the
+liveness checks run on every tick of a wait, the progress line that says
+who is behind, and the end's teardown.  :class:`EndGuard` is the one owner
+of an end's shared memory: who is inside it, whether it is closed, and its
+one release.  The protocol itself is in ``message_queue``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +24,12 @@ from mpexec.ipc import layout, sync
 from mpexec.ipc.bulk import BulkWriter
 from mpexec.ipc.layout import RingLayout
 from mpexec.ipc.peers import PeerWatch
-from mpexec.ipc.serialization import Encoder
 from mpexec.ipc.shm import Segment
 from mpexec.ipc.waiting import wait_until
+
+logger = logging.getLogger(__name__)
+
+_CLOSE_GRACE_S = 2.0
 
 
 class EndGuard:
@@ -86,129 +91,120 @@ class EndGuard:
         self.release_if_idle()
 
 
-class QueueEnd:
-    """Attributes and shared plumbing of either end of a queue."""
+class RingEnd:
+    """One end's view of a queue's ring: the mapping, the guard, the peers.
 
-    local_reader_ranks: list[int]
-    _bulk: BulkWriter | None
-    _peers: dict[int, PeerWatch]
+    A shared-memory writer or reader holds one (composition: neither end
+    inherits it) and keeps its own counters; this object has what both need
+    on the slow path: the wait, the liveness checks run on every tick of a
+    wait, the progress line that says who is behind, the header snapshot
+    (``state``) and the one teardown of the end (``shutdown``).
+    """
 
-    def _setup(self, segment: Segment, geometry: RingLayout, name: str,
-               reader_index: int | None, writer_pid: int, spin_s: float, tick_s: float,
-               log_interval_s: float) -> None:
-        """Every attribute, for both ends (so no attribute exists on one path only)."""
+    def __init__(self, segment: Segment, geometry: RingLayout, name: str,
+                 local_reader_ranks: list[int], reader_index: int | None, writer_pid: int,
+                 spin_s: float, tick_s: float, log_interval_s: float) -> None:
         self.name = name
-        self.n_reader = geometry.n_readers
-        self.n_local_reader = geometry.n_readers
-        self.local_reader_ranks = list(range(geometry.n_readers))
-        self._segment = segment
-        self._layout = geometry
-        self._cells = segment.cells
-        self._bytes = segment.bytes
-        self._reader = reader_index
-        self._is_writer = reader_index is None
-        self._writer_pid = writer_pid
-        self._pid = os.getpid()
-        self._token = 0
-        self._seq = 0
-        self._peers = {}
-        self._guard = EndGuard(segment, self._peers)
-        self._spin_s = spin_s
-        self._tick_s = tick_s
-        self._log_interval_s = log_interval_s
-        self._encoder = Encoder()
-        self._bulk = None
-        self._write_seq_addr = segment.address + sync.low_word_offset(
-            layout.WRITE_SEQ_CELL * 8)
-        self._ready_addr = segment.address + sync.low_word_offset(layout.READY_CELL * 8)
-        self._read_seq_cells = [geometry.reader_cell(r, layout.READ_SEQ)
-                                for r in range(geometry.n_readers)]
-        self._sleeping_cells = [geometry.reader_cell(r, layout.SLEEPING)
-                                for r in range(geometry.n_readers)]
-        self._chunk_offsets = [geometry.chunk_offset(i) for i in range(geometry.max_chunks)]
-        self._max_chunks = geometry.max_chunks
-        self._chunk_bytes = geometry.chunk_bytes
-        # The writer may publish every seq below this without looking at readers.
-        self._free_until = geometry.max_chunks
-        self._finalizer = weakref.finalize(self, self._guard.finalize)
+        self.local_reader_ranks = list(local_reader_ranks)
+        self.segment = segment
+        self.layout = geometry
+        self.cells = segment.cells
+        self.bytes = segment.bytes
+        self.reader_index = reader_index
+        self.writer_pid = writer_pid
+        self.pid = os.getpid()
+        self.peers: dict[int, PeerWatch] = {}
+        self.guard = EndGuard(segment, self.peers)
+        self.spin_s = spin_s
+        self.tick_s = tick_s
+        self.log_interval_s = log_interval_s
+        self.write_seq_addr = segment.address + sync.low_word_offset(layout.WRITE_SEQ_CELL * 8)
+        self.ready_addr = segment.address + sync.low_word_offset(layout.READY_CELL * 8)
+        self.read_seq_cells = [geometry.reader_cell(r, layout.READ_SEQ)
+                               for r in range(geometry.n_readers)]
+        self.sleeping_cells = [geometry.reader_cell(r, layout.SLEEPING)
+                               for r in range(geometry.n_readers)]
+        self.chunk_offsets = [geometry.chunk_offset(i) for i in range(geometry.max_chunks)]
+        # Released with this object (garbage collection, interpreter exit) at the latest.
+        self.finalizer = weakref.finalize(self, self.guard.finalize)
 
-    def _wait(self, ready: Callable[[], bool], futex_word: Callable[[], tuple[int, int]] | None,
-              sleeping_cell: int | None, deadline: float | None, check: Callable[[], None],
-              what: str, log_level: int | Callable[[], int] = logging.WARNING) -> None:
-        cells = self._cells
+    def wait(self, ready: Callable[[], bool], futex_word: Callable[[], tuple[int, int]] | None,
+             sleeping_cell: int | None, deadline: float | None, check: Callable[[], None],
+             what: str, log_level: int | Callable[[], int] = logging.WARNING) -> None:
+        cells = self.cells
 
         def set_sleeping(value: int) -> None:
             assert sleeping_cell is not None
             cells[sleeping_cell] = value
 
         def on_tick() -> None:
-            self._check_open()
+            self.check_open()
             check()
 
         wait_until(ready, futex_word=futex_word,
                    set_sleeping=None if sleeping_cell is None else set_sleeping,
-                   deadline=deadline, spin_s=self._spin_s, tick_s=self._tick_s,
-                   log_interval_s=self._log_interval_s, on_tick=on_tick,
-                   describe=self._describe_progress, what=f"queue {self.name!r}: {what}",
+                   deadline=deadline, spin_s=self.spin_s, tick_s=self.tick_s,
+                   log_interval_s=self.log_interval_s, on_tick=on_tick,
+                   describe=self.describe_progress, what=f"queue {self.name!r}: {what}",
                    log_level=log_level)
 
-    def _check_open(self) -> None:
-        if self._guard.closed:
+    def check_open(self) -> None:
+        if self.guard.closed:
             raise QueueClosedError(f"queue {self.name!r} was shut down")
 
-    def _enter(self) -> EndGuard:
+    def enter(self) -> EndGuard:
         """Announce the user inside (see :class:`EndGuard`); closed: leave and raise."""
-        guard = self._guard
+        guard = self.guard
         guard.busy = True
         if guard.closed:
             guard.leave()
-            self._check_open()
+            self.check_open()
         return guard
 
-    def _observe(self) -> EndGuard:
+    def observe(self) -> EndGuard:
         """For a reader of shared memory from any thread: take ``guard.lock``
         (release it after the read) and raise once the ring is released."""
-        guard = self._guard
+        guard = self.guard
         guard.lock.acquire()
         if guard.released:
             guard.lock.release()
             raise QueueClosedError(f"queue {self.name!r} was shut down")
         return guard
 
-    def _check_writer(self) -> None:
-        if self._cells[layout.CLOSED_CELL]:
+    def check_writer(self) -> None:
+        if self.cells[layout.CLOSED_CELL]:
             raise QueueClosedError(f"queue {self.name!r}: the writer shut the queue down")
-        if not self._peer(self._writer_pid).alive():
-            raise PeerDiedError(f"queue {self.name!r}: writer process {self._writer_pid} died",
-                                pid=self._writer_pid, role="writer")
+        if not self.peer(self.writer_pid).alive():
+            raise PeerDiedError(f"queue {self.name!r}: writer process {self.writer_pid} died",
+                                pid=self.writer_pid, role="writer")
 
-    def _check_reader(self, reader: int) -> None:
-        geometry = self._layout
+    def check_reader(self, reader: int) -> None:
+        geometry = self.layout
         rank = self.local_reader_ranks[reader]
-        state = self._cells[geometry.reader_cell(reader, layout.STATE)]
+        state = self.cells[geometry.reader_cell(reader, layout.STATE)]
         if state == layout.STATE_CLOSED:
             raise QueueClosedError(f"queue {self.name!r}: reader rank {rank} shut down "
                                    "and will not consume more messages")
-        pid = int(self._cells[geometry.reader_cell(reader, layout.PID)])
-        if state == layout.STATE_ATTACHED and not self._peer(pid).alive():
+        pid = int(self.cells[geometry.reader_cell(reader, layout.PID)])
+        if state == layout.STATE_ATTACHED and not self.peer(pid).alive():
             raise PeerDiedError(f"queue {self.name!r}: reader rank {rank} (process {pid}) died",
                                 pid=pid, role=f"reader {rank}")
 
-    def _check_all_readers(self) -> None:
-        for reader in range(self._layout.n_readers):
-            self._check_reader(reader)
+    def check_all_readers(self) -> None:
+        for reader in range(self.layout.n_readers):
+            self.check_reader(reader)
 
-    def _peer(self, pid: int) -> PeerWatch:
-        watch = self._peers.get(pid)
+    def peer(self, pid: int) -> PeerWatch:
+        watch = self.peers.get(pid)
         if watch is None:
-            watch = self._peers[pid] = PeerWatch(pid)
+            watch = self.peers[pid] = PeerWatch(pid)
         return watch
 
-    def _describe_progress(self) -> str:
-        cells = self._cells
+    def describe_progress(self) -> str:
+        cells = self.cells
         written = int(cells[layout.WRITE_SEQ_CELL])
         parts = []
-        for r, cell in enumerate(self._read_seq_cells):
+        for r, cell in enumerate(self.read_seq_cells):
             read = int(cells[cell])
             behind = f" (behind by {written - read})" if read < written else ""
             parts.append(f"rank {self.local_reader_ranks[r]} read {read}{behind}")
@@ -216,24 +212,62 @@ class QueueEnd:
 
     @property
     def closed(self) -> bool:
-        return self._guard.closed
+        return self.guard.closed
 
     def state(self) -> QueueState:
         """What the shared header says now (either end may ask, from any thread;
         tests and progress lines use it to observe, e.g., that a reader is
         asleep).  ``QueueClosedError`` once this end is shut down and released."""
-        guard = self._observe()
+        guard = self.observe()
         try:
-            cells = self._cells
+            cells = self.cells
             return QueueState(
                 published=int(cells[layout.WRITE_SEQ_CELL]),
-                consumed=tuple(int(cells[c]) for c in self._read_seq_cells),
-                sleeping=tuple(bool(cells[c]) for c in self._sleeping_cells),
+                consumed=tuple(int(cells[c]) for c in self.read_seq_cells),
+                sleeping=tuple(bool(cells[c]) for c in self.sleeping_cells),
                 writer_waiting=bool(cells[layout.WRITER_WAITING_CELL]),
                 writer_closed=bool(cells[layout.CLOSED_CELL]),
             )
         finally:
             guard.lock.release()
+
+    def shutdown(self, closed_cell: int, closed_value: int) -> None:
+        """Close this end: write ``closed_value`` into ``closed_cell`` (the
+        writer's closed flag, or this reader's state), wake every sleeper, and
+        release the memory once no call is inside (see :class:`EndGuard`).
+
+        Any thread may call it, while another is blocked in a call on this
+        end: that call raises ``QueueClosedError``, and the shared memory is
+        released only once it has left.
+        """
+        guard = self.guard
+        with guard.lock:
+            if guard.closed:
+                return
+            guard.closed = True
+            if self.pid != os.getpid():
+                # A forked copy: no thread of this process is inside; let go of
+                # the inherited mapping without telling the parent's peers.
+                guard.busy = False
+            elif not guard.released:
+                self.cells[closed_cell] = closed_value
+                sync.full_fence()
+                sync.futex_wake(self.write_seq_addr)
+                sync.futex_wake(self.ready_addr)
+                for cell in self.read_seq_cells:
+                    sync.futex_wake(self.segment.address + sync.low_word_offset(cell * 8))
+        # A call blocked in another thread is waking up now; let it leave the
+        # shared memory, then release it here.  Should it still be inside
+        # after the grace, it releases the memory itself on its way out.
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while guard.busy and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if guard.busy:
+            logger.warning("queue %r: a call is still inside the queue after %.0f s; it "
+                           "releases the memory when it leaves", self.name, _CLOSE_GRACE_S)
+        guard.release_if_idle()
+        if guard.released:
+            self.finalizer.detach()
 
 
 @dataclass(frozen=True)

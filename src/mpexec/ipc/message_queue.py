@@ -46,13 +46,17 @@ reader copies them once; see ``serialization``).  Memory for the ring and
 for bulk segments is checked against the process's limits before it is
 reserved (see ``limits``).
 
-Two ends, two types.  ``MessageQueue(n_reader, n_local_reader, ...)``
-creates the writer end, a :class:`~mpexec.ipc.writer.MessageQueueWriter`
-(its steps: ``MessageQueueWriter.enqueue``);
+Two ends, two types (``ends``: the :class:`~mpexec.ipc.ends.QueueWriter`
+and :class:`~mpexec.ipc.ends.QueueReader` protocols).
+``MessageQueue(n_reader, n_local_reader, ...)`` creates the writer end: it
+holds a :class:`~mpexec.ipc.writer.MessageQueueWriter` (its steps:
+``MessageQueueWriter.enqueue``), or a :class:`~mpexec.ipc.remote.RemoteWriter`
+when some readers are on other hosts (the sub-package ``remote``).
 ``MessageQueue.create_from_handle(handle, rank)`` returns a reader end, a
-:class:`~mpexec.ipc.reader.MessageQueueReader` (``dequeue``).  Both are
-``MessageQueue`` instances; calling the other end's operation on one raises a
-``RuntimeError`` that says so.
+:class:`~mpexec.ipc.reader.MessageQueueReader` (``dequeue``) or a
+:class:`~mpexec.ipc.remote.RemoteReader`.  Each end has only its own
+operations; the shared-memory ends each hold an ``endpoint.RingEnd`` (the
+mapping, the guard, the waits), they do not inherit it.
 
 Encoded once: ``writer.encode(obj)`` pickles into an :class:`EncodedMessage`
 that ``enqueue`` accepts as is, so a caller retrying a full ring with short
@@ -81,49 +85,39 @@ last, never under a call (``endpoint.EndGuard``).
 
 from __future__ import annotations
 
-import logging
-import os
-import time
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mpexec.ipc import sync
-from mpexec.ipc.endpoint import QueueEnd
+from mpexec.ipc.endpoint import QueueState
+from mpexec.ipc.ends import QueueReader
+from mpexec.ipc.handle import (
+    DEFAULT_LOG_INTERVAL_S,
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_SPIN_S,
+    DEFAULT_TICK_S,
+    Handle,
+)
+from mpexec.ipc.reader import MessageQueueReader
+from mpexec.ipc.remote import RemoteReader, RemoteWriter
 from mpexec.ipc.serialization import EncodedMessage
-from mpexec.ipc.shm import SegmentRef
+from mpexec.ipc.writer import MessageQueueWriter
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "DEFAULT_LOG_INTERVAL_S",
+    "DEFAULT_MAX_CHUNKS",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_SPIN_S",
+    "DEFAULT_TICK_S",
+    "GROUP_READY_TIMEOUT_S",
+    "Handle",
+    "MessageQueue",
+    "ProcessGroup",
+]
 
-DEFAULT_MAX_CHUNK_BYTES = 512 * 1024
-DEFAULT_MAX_CHUNKS = 8
-DEFAULT_SPIN_S = 0.001
-DEFAULT_TICK_S = 0.05
-DEFAULT_LOG_INTERVAL_S = 60.0
 # create_from_process_group: how long every rank of the group may take to
 # attach.  The ranks arrive together (it is collective), so minutes mean one
 # of them died or never got there.
 GROUP_READY_TIMEOUT_S = 300.0
-_CLOSE_GRACE_S = 2.0
-
-
-@dataclass
-class Handle:
-    """What a reader needs to attach to a queue; small and picklable."""
-
-    local_reader_ranks: list[int]
-    buffer: SegmentRef | None   # None when every reader is remote
-    n_reader: int
-    max_chunks: int
-    max_chunk_bytes: int
-    token: int
-    name: str = "mq"
-    # Remote readers (see ``remote``): where they connect, and the token that
-    # names the queue's authentication keys.  None: every reader is local.
-    connect_ip: str | None = None
-    remote_subscribe_addr: str | None = None
-    remote_token: int | None = None
-    # Remote readers: the writer's socket speaks CURVE (``curve``), keys from the secret.
-    remote_curve: bool = False
 
 
 class ProcessGroup(Protocol):
@@ -138,16 +132,21 @@ class ProcessGroup(Protocol):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
 
-class MessageQueue(QueueEnd):
-    """One writer, ``n_reader`` readers, messages delivered to all in order.
+class MessageQueue:
+    """The writer end of a queue, as callers build it (a :class:`~mpexec.ipc.ends.QueueWriter`).
 
-    ``MessageQueue(...)`` builds the writer end (see
-    :class:`~mpexec.ipc.writer.MessageQueueWriter` for the arguments);
-    :meth:`create_from_handle` attaches a reader end.
+    ``MessageQueue(n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes,
+    max_chunks, ...)``: one writer, ``n_reader`` readers, messages delivered
+    to all in order.  It picks the transport from its arguments and holds it
+    as :attr:`transport`: a :class:`~mpexec.ipc.writer.MessageQueueWriter`
+    when every reader is local (see there for the arguments), a
+    :class:`~mpexec.ipc.remote.RemoteWriter` when some are on other hosts
+    (``connect_ip``, ``secret``, ``curve``; see there).  Every operation is
+    the transport's.  :meth:`create_from_handle` attaches a reader end.
     """
 
-    def __new__(
-        cls,
+    def __init__(
+        self,
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: list[int] | None = None,
@@ -162,43 +161,41 @@ class MessageQueue(QueueEnd):
         secret: str | bytes | None = None,
         curve: bool = False,
         **options: Any,
-    ) -> MessageQueue:
-        if cls is MessageQueue:
-            if n_local_reader < n_reader:
-                from mpexec.ipc.remote import RemoteWriter
+    ) -> None:
+        self.transport: MessageQueueWriter | RemoteWriter
+        if n_local_reader < n_reader:
+            self.transport = RemoteWriter(
+                n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks,
+                name=name, connect_ip=connect_ip, secret=secret, tick_s=tick_s, curve=curve,
+                spin_s=spin_s, log_interval_s=log_interval_s, **options)
+        else:
+            # connect_ip, secret and curve matter only with remote readers.
+            self.transport = MessageQueueWriter(
+                n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks,
+                name=name, spin_s=spin_s, tick_s=tick_s, log_interval_s=log_interval_s,
+                **options)
+        self.name = name
 
-                cls = RemoteWriter
-            else:
-                from mpexec.ipc.writer import MessageQueueWriter
-
-                cls = MessageQueueWriter
-        return object.__new__(cls)
-
-    @classmethod
-    def create_from_handle(cls, handle: Handle, rank: int, *,
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int, *,
                            spin_s: float = DEFAULT_SPIN_S, tick_s: float = DEFAULT_TICK_S,
                            log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
-                           secret: str | bytes | None = None) -> MessageQueue:
+                           secret: str | bytes | None = None) -> QueueReader:
         """Attach as the reader of rank ``rank``: through shared memory when the
         rank is one of ``handle.local_reader_ranks``, else over the network
         (``remote``; ``secret`` is the cluster secret)."""
-        from mpexec.ipc.reader import MessageQueueReader
-
         if rank not in handle.local_reader_ranks and handle.remote_subscribe_addr is not None:
-            from mpexec.ipc.remote_reader import RemoteReader
-
-            return RemoteReader.attach(handle, rank, secret, tick_s=tick_s)
-
+            return RemoteReader(handle, rank, secret, tick_s=tick_s)
         return MessageQueueReader.attach(handle, rank, spin_s=spin_s, tick_s=tick_s,
                                          log_interval_s=log_interval_s)
 
-    @classmethod
+    @staticmethod
     def create_from_process_group(
-        cls, group: ProcessGroup, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        group: ProcessGroup, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS, writer_rank: int = 0, *,
         name: str = "group", timeout: float | None = GROUP_READY_TIMEOUT_S,
         spin_s: float = DEFAULT_SPIN_S,
-    ) -> MessageQueue:
+    ) -> MessageQueue | QueueReader:
         """A queue from ``writer_rank`` to every other rank of ``group`` (one node).
 
         Collective: every rank of the group calls it.  ``group`` is duck-typed
@@ -220,125 +217,82 @@ class MessageQueue(QueueEnd):
             raise ValueError(f"a queue over a group needs >= 2 ranks, this group has {world}")
         if not 0 <= writer_rank < world:
             raise ValueError(f"writer_rank must be in [0, {world}), got {writer_rank}")
-        queue: MessageQueue
         if rank == writer_rank:
             readers = [r for r in range(world) if r != writer_rank]
-            queue = MessageQueue(world - 1, world - 1, readers, max_chunk_bytes, max_chunks,
-                                 name=name, spin_s=spin_s)
+            writer = MessageQueue(world - 1, world - 1, readers, max_chunk_bytes, max_chunks,
+                                  name=name, spin_s=spin_s)
             try:
-                group.broadcast_object(queue.export_handle(), src=writer_rank)
+                group.broadcast_object(writer.export_handle(), src=writer_rank)
                 try:
-                    queue.wait_until_ready(timeout)
-                except TimeoutError as exc:
-                    missing: list[int] = getattr(queue, "unattached_ranks", list)()
-                    raise TimeoutError(
-                        f"queue {name!r} over the group: rank(s) {missing} did not attach "
-                        f"within {timeout:g}s (each rank of the group must call "
-                        "create_from_process_group; one may have died)") from exc
-            except BaseException:
-                queue.shutdown()
-                raise
-        else:
-            handle = group.broadcast_object(None, src=writer_rank)
-            queue = MessageQueue.create_from_handle(handle, rank, spin_s=spin_s)
-            try:
-                try:
-                    queue.wait_until_ready(timeout)
+                    writer.wait_until_ready(timeout)
                 except TimeoutError as exc:
                     raise TimeoutError(
-                        f"queue {name!r} over the group, rank {rank}: the writer (rank "
-                        f"{writer_rank}) did not finish the handshake within {timeout:g}s "
-                        "(another rank did not attach, or the writer died)") from exc
+                        f"queue {name!r} over the group: rank(s) {writer.unattached_ranks()} "
+                        f"did not attach within {timeout:g}s (each rank of the group must "
+                        "call create_from_process_group; one may have died)") from exc
             except BaseException:
-                queue.shutdown()
+                writer.shutdown()
                 raise
-        return queue
+            return writer
+        handle = group.broadcast_object(None, src=writer_rank)
+        reader = MessageQueue.create_from_handle(handle, rank, spin_s=spin_s)
+        try:
+            try:
+                reader.wait_until_ready(timeout)
+            except TimeoutError as exc:
+                raise TimeoutError(
+                    f"queue {name!r} over the group, rank {rank}: the writer (rank "
+                    f"{writer_rank}) did not finish the handshake within {timeout:g}s "
+                    "(another rank did not attach, or the writer died)") from exc
+        except BaseException:
+            reader.shutdown()
+            raise
+        return reader
 
-    # -- what one end or the other does (the wrong end says so) --------------
+    # -- the writer's operations: its transport's ------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self.transport.closed
 
     def export_handle(self) -> Handle:
-        """The handle readers pass to :meth:`create_from_handle` (writer only)."""
-        raise self._wrong_end("export_handle", "writer")
+        """The handle readers pass to :meth:`create_from_handle`."""
+        return self.transport.export_handle()
 
     def encode(self, obj: Any) -> EncodedMessage:
-        """Pickle ``obj`` once, for one or more ``enqueue`` tries (writer only)."""
-        raise self._wrong_end("encode", "writer")
+        """Pickle ``obj`` once, for one or more ``enqueue`` tries."""
+        return self.transport.encode(obj)
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Broadcast ``obj`` (or an :class:`EncodedMessage`) to every reader."""
-        raise self._wrong_end("enqueue", "writer")
-
-    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """The next message, in order (reader only)."""
-        raise self._wrong_end("dequeue", "reader")
-
-    def lagging_ranks(self) -> list[int]:
-        """The reader ranks a full ring waits for (writer only)."""
-        raise self._wrong_end("lagging_ranks", "writer")
+        """Broadcast ``obj`` (or an :class:`EncodedMessage`) to every reader;
+        on ``TimeoutError`` nothing was published."""
+        self.transport.enqueue(obj, timeout)
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Writer: enqueue ``obj`` and return it.  Reader: return the next message."""
-        raise NotImplementedError
+        """``enqueue(obj)``, then ``obj``."""
+        self.transport.enqueue(obj)
+        return obj
 
-    def _wrong_end(self, operation: str, end: str) -> RuntimeError:
-        other = "reader" if end == "writer" else "writer"
-        return RuntimeError(f"{operation}() called on the {other} end of queue {self.name!r}; "
-                            f"only the {end} may call it")
+    def lagging_ranks(self) -> list[int]:
+        """The reader ranks a full ring waits for."""
+        return self.transport.lagging_ranks()
 
-    # -- handshake ------------------------------------------------------------
+    def unattached_ranks(self) -> list[int]:
+        """The reader ranks that have not attached yet (for a clear error)."""
+        return self.transport.unattached_ranks()
+
+    def state(self) -> QueueState:
+        """The shared-memory ring's header now (see ``endpoint.RingEnd.state``)."""
+        return self.transport.state()
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Collective start: the writer waits for every reader, readers for the writer."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._handshake(deadline)
-
-    def _handshake(self, deadline: float | None) -> None:
-        raise NotImplementedError
-
-    # -- closing --------------------------------------------------------------
+        """Collective start: wait for every reader, then let them start."""
+        self.transport.wait_until_ready(timeout)
 
     def shutdown(self) -> None:
-        """Close this end; wakes blocked calls here at once, the other side soon.
-
-        Any thread may call it, while another is blocked in a call on this
-        end: that call raises ``QueueClosedError``, and the shared memory is
-        released only once it has left (see ``endpoint.EndGuard``).
-        """
-        guard = self._guard
-        with guard.lock:
-            if guard.closed:
-                return
-            guard.closed = True
-            if self._pid != os.getpid():
-                # A forked copy: no thread of this process is inside; let go of
-                # the inherited mapping without telling the parent's peers.
-                guard.busy = False
-            elif not guard.released:
-                segment = self._segment
-                self._mark_closed()
-                sync.full_fence()
-                sync.futex_wake(self._write_seq_addr)
-                sync.futex_wake(self._ready_addr)
-                for cell in self._read_seq_cells:
-                    sync.futex_wake(segment.address + sync.low_word_offset(cell * 8))
-        # A call blocked in another thread is waking up now; let it leave the
-        # shared memory, then release it here.  Should it still be inside
-        # after the grace, it releases the memory itself on its way out.
-        deadline = time.monotonic() + _CLOSE_GRACE_S
-        while guard.busy and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        if guard.busy:
-            logger.warning("queue %r: a call is still inside the queue after %.0f s; it "
-                           "releases the memory when it leaves", self.name, _CLOSE_GRACE_S)
-        guard.release_if_idle()
-        if guard.released:
-            self._finalizer.detach()
-
-    def _mark_closed(self) -> None:
-        raise NotImplementedError
+        """Close the queue; wakes blocked calls here at once, the readers soon.
+        Any thread may call it, during a call on this end."""
+        self.transport.shutdown()
 
     def __repr__(self) -> str:
-        role = "writer" if self._is_writer else f"reader {self._reader}"
-        state = "closed" if self._guard.closed else "open"
-        return (f"<MessageQueue {self.name!r} {role} {state} readers={self._layout.n_readers} "
-                f"chunks={self._layout.max_chunks}x{self._layout.chunk_bytes}>")
+        return f"<MessageQueue {self.name!r} {self.transport!r}>"

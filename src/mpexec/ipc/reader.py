@@ -15,14 +15,9 @@ from typing import Any
 from mpexec.errors import QueueClosedError, UndecodableMessageError
 from mpexec.ipc import layout, sync
 from mpexec.ipc.bulk import BulkRelease, map_bulk
+from mpexec.ipc.endpoint import QueueState, RingEnd
+from mpexec.ipc.handle import DEFAULT_LOG_INTERVAL_S, DEFAULT_SPIN_S, DEFAULT_TICK_S, Handle
 from mpexec.ipc.layout import RingLayout
-from mpexec.ipc.message_queue import (
-    DEFAULT_LOG_INTERVAL_S,
-    DEFAULT_SPIN_S,
-    DEFAULT_TICK_S,
-    Handle,
-    MessageQueue,
-)
 from mpexec.ipc.peers import PeerWatch
 from mpexec.ipc.serialization import decode
 from mpexec.ipc.shm import Segment
@@ -30,8 +25,31 @@ from mpexec.ipc.shm import Segment
 _FAST_POLLS = 32
 
 
-class MessageQueueReader(MessageQueue):
-    """A reader end: ``dequeue`` and ``broadcast_object``; made by ``attach``."""
+class MessageQueueReader:
+    """A shared-memory reader end (a :class:`~mpexec.ipc.ends.QueueReader`); made by
+    :meth:`attach`, which maps the writer's segment and announces this process."""
+
+    def __init__(self, ring: RingEnd, handle: Handle, first_seq: int) -> None:
+        assert ring.reader_index is not None
+        self.name = handle.name
+        self.n_reader = handle.n_reader
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.local_reader_ranks = list(handle.local_reader_ranks)
+        self._ring = ring
+        self._reader: int = ring.reader_index
+        self._token = handle.token
+        self._seq = first_seq
+        # The hot path's references, held here to spare a lookup through the ring.
+        self._guard = ring.guard
+        self._segment = ring.segment
+        self._cells = ring.cells
+        self._bytes = ring.bytes
+        self._write_seq_addr = ring.write_seq_addr
+        self._read_seq_cells = ring.read_seq_cells
+        self._sleeping_cells = ring.sleeping_cells
+        self._chunk_offsets = ring.chunk_offsets
+        self._max_chunks = ring.layout.max_chunks
+        self._writer_pid = ring.writer_pid
 
     @classmethod
     def attach(cls, handle: Handle, rank: int, *, spin_s: float = DEFAULT_SPIN_S,
@@ -63,25 +81,29 @@ class MessageQueueReader(MessageQueue):
                 if other != os.getpid() and holder_alive:
                     raise ValueError(f"{what}: reader rank {rank} is already attached "
                                      f"by process {other}")
-            queue = object.__new__(cls)
-            queue._setup(segment, geometry, handle.name, reader_index=index,
-                         writer_pid=handle.buffer.pid, spin_s=spin_s, tick_s=tick_s,
-                         log_interval_s=log_interval_s)
+            ring = RingEnd(segment, geometry, handle.name, handle.local_reader_ranks,
+                           reader_index=index, writer_pid=handle.buffer.pid, spin_s=spin_s,
+                           tick_s=tick_s, log_interval_s=log_interval_s)
         except BaseException:
             segment.close()
             raise
-        queue.n_reader = handle.n_reader
-        queue.n_local_reader = len(handle.local_reader_ranks)
-        queue.local_reader_ranks = list(handle.local_reader_ranks)
-        queue._token = handle.token
-        queue._seq = int(cells[geometry.reader_cell(index, layout.READ_SEQ)])
+        queue = cls(ring, handle, int(cells[geometry.reader_cell(index, layout.READ_SEQ)]))
         cells[geometry.reader_cell(index, layout.PID)] = os.getpid()
         sync.release_fence()
         cells[state_cell] = layout.STATE_ATTACHED
         sync.full_fence()
         return queue
 
+    @property
+    def closed(self) -> bool:
+        return self._guard.closed
+
+    def state(self) -> QueueState:
+        """What the shared header says now (see :meth:`RingEnd.state`)."""
+        return self._ring.state()
+
     def broadcast_object(self, obj: Any = None) -> Any:
+        """The next message (the writer's ``broadcast_object`` sent it)."""
         return self.dequeue()
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
@@ -97,13 +119,12 @@ class MessageQueueReader(MessageQueue):
         peer - and at DEBUG when everyone is merely idle.
         """
         reader = self._reader
-        assert reader is not None
         # Inside from here (see EndGuard): announced before closed is looked at.
         guard = self._guard
         guard.busy = True
         if guard.closed:
             guard.leave()
-            self._check_open()
+            self._ring.check_open()
         try:
             seq = self._seq
             cells = self._cells
@@ -166,40 +187,50 @@ class MessageQueueReader(MessageQueue):
             f"queue {self.name!r}: message {seq} could not be unpickled: "
             f"{type(exc).__name__}: {exc}")
 
-    def _handshake(self, deadline: float | None) -> None:
-        guard = self._enter()
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait until the writer has seen every reader attach."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ring = self._ring
+        guard = ring.enter()
         try:
             cells = self._cells
-            ready_addr = self._ready_addr
-            self._wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
-                       deadline, self._check_writer, "wait_until_ready (writer)")
+            ready_addr = ring.ready_addr
+            ring.wait(lambda: cells[layout.READY_CELL] == 1, lambda: (ready_addr, 0), None,
+                      deadline, ring.check_writer, "wait_until_ready (writer)")
             sync.acquire_fence()
         finally:
             guard.leave()
 
-    def _mark_closed(self) -> None:
-        assert self._reader is not None
-        self._cells[self._layout.reader_cell(self._reader, layout.STATE)] = layout.STATE_CLOSED
+    def shutdown(self) -> None:
+        """Leave the queue: this reader consumes no more (the writer's waits for
+        it end), and a call blocked here raises ``QueueClosedError`` at once."""
+        ring = self._ring
+        ring.shutdown(ring.layout.reader_cell(self._reader, layout.STATE), layout.STATE_CLOSED)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"<MessageQueueReader {self.name!r} rank "
+                f"{self.local_reader_ranks[self._reader]} {state}>")
 
     def _map_bulk(self, head: int, size: int, reader: int) -> memoryview:
         cells = self._cells
         slot = int(cells[head + layout.BULK_SLOT])
         on_release = None
         if slot != layout.NO_SLOT:
-            on_release = BulkRelease(self._segment, self._layout.release_cell(reader, slot),
+            on_release = BulkRelease(self._segment, self._ring.layout.release_cell(reader, slot),
                                   int(cells[head + layout.BULK_GENERATION]))
         return map_bulk(self._writer_pid, int(cells[head + layout.BULK_FD]),
                         int(cells[head + layout.BULK_INODE]), size,
                         f"queue {self.name!r}", on_release)
 
     def _wait_for_message(self, seq: int, deadline: float | None, indefinite: bool) -> None:
-        assert self._reader is not None
         cells = self._cells
         ws = layout.WRITE_SEQ_CELL
         ws_addr = self._write_seq_addr
-        self._wait(lambda: cells[ws] > seq, lambda: (ws_addr, cells[ws]),
-                   self._sleeping_cells[self._reader], deadline, self._check_writer, "dequeue",
-                   self._idle_log_level if indefinite else logging.WARNING)
+        ring = self._ring
+        ring.wait(lambda: cells[ws] > seq, lambda: (ws_addr, cells[ws]),
+                  self._sleeping_cells[self._reader], deadline, ring.check_writer, "dequeue",
+                  self._idle_log_level if indefinite else logging.WARNING)
 
     def _idle_log_level(self) -> int:
         """An idle reader's progress line matters only when a peer lags behind

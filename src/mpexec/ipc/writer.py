@@ -14,25 +14,25 @@ from typing import Any
 
 from mpexec.ipc import layout, sync
 from mpexec.ipc.bulk import BulkWriter
-from mpexec.ipc.layout import RingLayout
-from mpexec.ipc.message_queue import (
+from mpexec.ipc.endpoint import QueueState, RingEnd
+from mpexec.ipc.handle import (
     DEFAULT_LOG_INTERVAL_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_CHUNKS,
     DEFAULT_SPIN_S,
     DEFAULT_TICK_S,
     Handle,
-    MessageQueue,
 )
-from mpexec.ipc.serialization import EncodedMessage, Frame, frame_of, write_into
+from mpexec.ipc.layout import RingLayout
+from mpexec.ipc.serialization import EncodedMessage, Encoder, Frame, frame_of, write_into
 from mpexec.ipc.shm import Segment, segment_name
 
 
-class MessageQueueWriter(MessageQueue):
-    """The writer end: ``export_handle``, ``encode``, ``enqueue``, ``broadcast_object``.
+class MessageQueueWriter:
+    """The shared-memory writer end (a :class:`~mpexec.ipc.ends.QueueWriter`).
 
     ``n_reader`` readers in all, ``n_local_reader`` of them on this machine
-    (here the two are equal: ``MessageQueue(...)`` builds a
+    (here the two are equal: ``MessageQueue(...)`` picks a
     :class:`~mpexec.ipc.remote.RemoteWriter` when some readers are remote);
     ``local_reader_ranks`` are the ranks readers attach as
     (default ``0..n_local_reader-1``).  The segment holds ``max_chunks``
@@ -54,11 +54,7 @@ class MessageQueueWriter(MessageQueue):
         spin_s: float = DEFAULT_SPIN_S,
         tick_s: float = DEFAULT_TICK_S,
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
-        connect_ip: str | None = None,
-        secret: str | bytes | None = None,
-        curve: bool = False,
     ) -> None:
-        # connect_ip, secret and curve matter only with remote readers (a RemoteWriter).
         if n_reader < 1:
             raise ValueError(f"n_reader must be >= 1, got {n_reader}")
         if not 0 <= n_local_reader <= n_reader:
@@ -88,24 +84,50 @@ class MessageQueueWriter(MessageQueue):
         cells[layout.TOKEN_CELL] = token
         sync.full_fence()
         cells[layout.MAGIC_CELL] = layout.MAGIC
-        self._setup(segment, geometry, name, reader_index=None, writer_pid=os.getpid(),
-                    spin_s=spin_s, tick_s=tick_s, log_interval_s=log_interval_s)
+        ring = RingEnd(segment, geometry, name, local_reader_ranks, reader_index=None,
+                       writer_pid=os.getpid(), spin_s=spin_s, tick_s=tick_s,
+                       log_interval_s=log_interval_s)
+        self.name = name
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.local_reader_ranks = list(local_reader_ranks)
+        self._ring = ring
         self._token = token
+        self._seq = 0
+        self._encoder = Encoder()
+        # The hot path's references, held here to spare a lookup through the ring.
+        self._guard = ring.guard
+        self._segment = segment
+        self._cells = segment.cells
+        self._bytes = segment.bytes
+        self._write_seq_addr = ring.write_seq_addr
+        self._read_seq_cells = ring.read_seq_cells
+        self._sleeping_cells = ring.sleeping_cells
+        self._chunk_offsets = ring.chunk_offsets
+        self._max_chunks = max_chunks
+        self._chunk_bytes = max_chunk_bytes
+        # The writer may publish every seq below this without looking at readers.
+        self._free_until = max_chunks
         # Not a bound method: the guard (held by the finalizer) owns the bulk
         # writer, and must not keep this queue alive through it.
         self._bulk = BulkWriter(name, partial(_bulk_released, cells, geometry))
-        self._guard.bulk = self._bulk
+        ring.guard.bulk = self._bulk
+
+    @property
+    def closed(self) -> bool:
+        return self._guard.closed
+
+    def state(self) -> QueueState:
+        """What the shared header says now (see :meth:`RingEnd.state`)."""
+        return self._ring.state()
 
     def unattached_ranks(self) -> list[int]:
         """The local reader ranks that have not attached yet (for a clear error)."""
-        guard = self._observe()
+        guard = self._ring.observe()
         try:
             cells = self._cells
             return [rank for index, rank in enumerate(self.local_reader_ranks)
-                    if cells[self._layout.reader_cell(index, layout.STATE)]
+                    if cells[self._ring.layout.reader_cell(index, layout.STATE)]
                     != layout.STATE_ATTACHED]
         finally:
             guard.lock.release()
@@ -113,7 +135,7 @@ class MessageQueueWriter(MessageQueue):
     def lagging_ranks(self) -> list[int]:
         """The reader ranks a full ring waits for: a whole ring behind the writer
         (for a deadline's error: who did not take the call)."""
-        guard = self._observe()
+        guard = self._ring.observe()
         try:
             cells = self._cells
             behind = cells[layout.WRITE_SEQ_CELL] - self._max_chunks
@@ -123,7 +145,8 @@ class MessageQueueWriter(MessageQueue):
             guard.lock.release()
 
     def export_handle(self) -> Handle:
-        guard = self._observe()
+        """What readers attach with (``MessageQueue.create_from_handle``)."""
+        guard = self._ring.observe()
         try:
             buffer = self._segment.ref()
         finally:
@@ -132,8 +155,8 @@ class MessageQueueWriter(MessageQueue):
             local_reader_ranks=list(self.local_reader_ranks),
             buffer=buffer,
             n_reader=self.n_reader,
-            max_chunks=self._layout.max_chunks,
-            max_chunk_bytes=self._layout.chunk_bytes,
+            max_chunks=self._max_chunks,
+            max_chunk_bytes=self._chunk_bytes,
             token=self._token,
             name=self.name,
         )
@@ -145,7 +168,7 @@ class MessageQueueWriter(MessageQueue):
         ``bytes``) without copying them until it is enqueued: do not change
         them in between.  Raises the pickling error, as ``enqueue`` would.
         """
-        self._check_open()
+        self._ring.check_open()
         return EncodedMessage(self._encoder.dump(obj))
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -161,13 +184,13 @@ class MessageQueueWriter(MessageQueue):
         """
         guard = self._guard
         if guard.closed:
-            self._check_open()
+            self._ring.check_open()
         data = obj.data if obj.__class__ is EncodedMessage else self._encoder.dump(obj)
         # Inside from here (see EndGuard): announced before closed is looked at.
         guard.busy = True
         if guard.closed:
             guard.leave()
-            self._check_open()
+            self._ring.check_open()
         try:
             seq = self._seq
             cells = self._cells
@@ -209,24 +232,38 @@ class MessageQueueWriter(MessageQueue):
             if guard.closed:
                 guard.release_if_idle()
 
-    def _handshake(self, deadline: float | None) -> None:
-        guard = self._enter()
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait until every reader has attached, then let them start."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ring = self._ring
+        guard = ring.enter()
         try:
             cells = self._cells
-            state_cells = [self._layout.reader_cell(r, layout.STATE)
-                           for r in range(self._layout.n_readers)]
-            self._wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
-                       None, None, deadline, self._check_all_readers,
-                       "wait_until_ready (readers attaching)")
+            state_cells = [ring.layout.reader_cell(r, layout.STATE)
+                           for r in range(ring.layout.n_readers)]
+            ring.wait(lambda: all(cells[c] == layout.STATE_ATTACHED for c in state_cells),
+                      None, None, deadline, ring.check_all_readers,
+                      "wait_until_ready (readers attaching)")
             sync.release_fence()
             cells[layout.READY_CELL] = 1
             sync.full_fence()
-            sync.futex_wake(self._ready_addr)
+            sync.futex_wake(ring.ready_addr)
         finally:
             guard.leave()
 
-    def _mark_closed(self) -> None:
-        self._cells[layout.CLOSED_CELL] = 1
+    def shutdown(self) -> None:
+        """Close the queue; wakes blocked calls here at once, the readers soon.
+
+        Any thread may call it, while another is blocked in a call on this
+        end: that call raises ``QueueClosedError``, and the shared memory is
+        released only once it has left (see ``endpoint.EndGuard``).
+        """
+        self._ring.shutdown(layout.CLOSED_CELL, 1)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"<MessageQueueWriter {self.name!r} {state} readers={self.n_reader} "
+                f"chunks={self._max_chunks}x{self._chunk_bytes}>")
 
     def _put_bulk(self, frame: Frame, seq: int, head: int) -> None:
         assert self._bulk is not None
@@ -248,6 +285,7 @@ class MessageQueueWriter(MessageQueue):
         cells = self._cells
         read_cells = self._read_seq_cells
         base = self._segment.address
+        ring = self._ring
 
         def futex_word() -> tuple[int, int]:
             laggard = min(read_cells, key=cells.__getitem__)
@@ -256,9 +294,9 @@ class MessageQueueWriter(MessageQueue):
         def check_behind() -> None:
             for reader, cell in enumerate(read_cells):
                 if cells[cell] <= must_exceed:
-                    self._check_reader(reader)
+                    ring.check_reader(reader)
 
-        self._wait(lambda: min(cells[c] for c in read_cells) > must_exceed, futex_word,
+        ring.wait(lambda: min(cells[c] for c in read_cells) > must_exceed, futex_word,
                    layout.WRITER_WAITING_CELL, deadline, check_behind, "enqueue (ring full)")
 
 

@@ -8,7 +8,7 @@ ranks are served over one ZeroMQ ROUTER socket bound at ``connect_ip``
 travels in the :class:`~mpexec.ipc.message_queue.Handle`
 (``remote_subscribe_addr``); a remote rank attaches with
 ``MessageQueue.create_from_handle(handle, rank, secret=...)``, which returns a
-:class:`~mpexec.ipc.remote_reader.RemoteReader` (a DEALER socket).  Every frame is sealed with
+:class:`~mpexec.ipc.remote.reader.RemoteReader` (a DEALER socket).  Every frame is sealed with
 ``auth`` (HMAC-SHA256, per-queue keys, sequence numbers)::
 
     remote reader r                            writer
@@ -38,7 +38,7 @@ for the next sequence it expects, and the writer resends from there.  A
 reader that is disconnected is not an error here: sends to it are skipped and
 made good on its RESUME.  While the writer's thread is elsewhere (the usual
 case for a driver between calls), a small service thread reads control
-frames every ``remote_control.SERVICE_S``, so a RESUME never waits for the next ``enqueue``;
+frames every ``control.SERVICE_S``, so a RESUME never waits for the next ``enqueue``;
 a lock gives the socket to one thread at a time.  Large parts are copied into
 the resend log, so ``enqueue`` returns with the caller free to reuse its
 arrays; ZeroMQ sends them without a further copy.
@@ -63,7 +63,7 @@ Liveness across hosts is not this module's job: the executor's node
 channel (heartbeats) shuts a queue down when its peer host is lost, which
 wakes every wait here within one ``tick_s``.  One thread may use an end at
 a time; ``shutdown`` may come from any thread.  The control frames readers
-send are handled in ``remote_control``.
+send are handled in ``control``.
 """
 
 from __future__ import annotations
@@ -84,14 +84,11 @@ from mpexec.ipc.auth import (
     derive_key,
 )
 from mpexec.ipc.curve import secure
-from mpexec.ipc.message_queue import (
-    DEFAULT_LOG_INTERVAL_S,
-    DEFAULT_TICK_S,
-    Handle,
-    MessageQueue,
-)
-from mpexec.ipc.remote_control import WriterControl
-from mpexec.ipc.remote_socket import (
+from mpexec.ipc.endpoint import QueueState
+from mpexec.ipc.handle import DEFAULT_LOG_INTERVAL_S, DEFAULT_TICK_S, Handle
+from mpexec.ipc.remote.control import WriterControl
+from mpexec.ipc.remote.resend import ResendLog, owned
+from mpexec.ipc.remote.sockets import (
     CLOSE_GRACE_S,
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -103,14 +100,16 @@ from mpexec.ipc.remote_socket import (
     release_context,
     zmq_module,
 )
-from mpexec.ipc.resend import ResendLog, owned
 from mpexec.ipc.serialization import EncodedMessage, Encoder, Frame
+from mpexec.ipc.writer import MessageQueueWriter
 
 logger = logging.getLogger(__name__)
 
 
-class RemoteWriter(WriterControl, MessageQueue):
-    """The writer end of a queue with remote readers (see the module docstring)."""
+class RemoteWriter(WriterControl):
+    """The writer end of a queue with remote readers (see the module docstring);
+    a :class:`~mpexec.ipc.ends.QueueWriter`.  Its local ranks are served by a
+    :class:`~mpexec.ipc.writer.MessageQueueWriter` it holds."""
 
     def __init__(self, n_reader: int, n_local_reader: int,
                  local_reader_ranks: list[int] | None = None,
@@ -144,9 +143,8 @@ class RemoteWriter(WriterControl, MessageQueue):
         self._ready = False
         self._encoder = Encoder()
         self._log = ResendLog(self.remote_reader_ranks, max_chunks)
-        self._local: MessageQueue | None = None
+        self._local: MessageQueueWriter | None = None
         if n_local_reader:
-            from mpexec.ipc.writer import MessageQueueWriter
             self._local = MessageQueueWriter(n_local_reader, n_local_reader,
                                              list(local_reader_ranks), max_chunk_bytes,
                                              max_chunks, name=name, tick_s=tick_s,
@@ -165,7 +163,7 @@ class RemoteWriter(WriterControl, MessageQueue):
         # enqueue's hot path.  None: the general path.
         self._solo: tuple[int, bytes] | None = None
         self.connect_ip = connect_ip or "127.0.0.1"
-        # The process's shared context, ended with its last queue (remote_socket).
+        # The process's shared context, ended with its last queue (``sockets``).
         self._context = acquire_context()
         sock = self._context.socket(zmq.ROUTER)
         self.curve = curve
@@ -227,6 +225,7 @@ class RemoteWriter(WriterControl, MessageQueue):
         return EncodedMessage(self._encoder.dump(obj))
 
     def broadcast_object(self, obj: Any = None) -> Any:
+        """``enqueue(obj)``, then ``obj``."""
         self.enqueue(obj)
         return obj
 
@@ -236,7 +235,10 @@ class RemoteWriter(WriterControl, MessageQueue):
 
     # -- handshake -----------------------------------------------------------------
 
-    def _handshake(self, deadline: float | None) -> None:
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait until every reader, local and remote, has attached (remote ones:
+        said HELLO), then let them start (WELCOME)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._local is not None:
             self._local.wait_until_ready(None if deadline is None
                                          else max(0.0, deadline - time.monotonic()))
@@ -271,6 +273,20 @@ class RemoteWriter(WriterControl, MessageQueue):
             state = "no HELLO" if rank not in self._identity else f"acked {acked}"
             parts.append(f"remote rank {rank} {state}")
         return f"writer published {self._seq}; " + ", ".join(parts)
+
+    def unattached_ranks(self) -> list[int]:
+        """The reader ranks that have not attached yet: local ones not in the
+        ring, remote ones that have not said HELLO."""
+        ranks = [] if self._local is None else self._local.unattached_ranks()
+        ranks += [rank for rank in self.remote_reader_ranks if rank not in self._identity]
+        return sorted(ranks)
+
+    def state(self) -> QueueState:
+        """The header of the shared-memory ring of the local readers."""
+        if self._local is None:
+            raise ValueError(f"queue {self.name!r} has no shared-memory ring: "
+                             "every reader is remote")
+        return self._local.state()
 
     def lagging_ranks(self) -> list[int]:
         """The reader ranks a full ring waits for (local: a whole ring behind;
@@ -388,5 +404,5 @@ class RemoteWriter(WriterControl, MessageQueue):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return (f"<MessageQueue {self.name!r} writer {state} readers={self.n_reader} "
+        return (f"<RemoteWriter {self.name!r} {state} readers={self.n_reader} "
                 f"remote={self.remote_reader_ranks} at {self.remote_subscribe_addr}>")

@@ -27,7 +27,7 @@ one in the range it asked to be resent is a duplicate (counted apart in
 The last message before the writer's shutdown has no later message to
 reveal its loss, so CLOSE carries how many messages were published: a reader
 with fewer asks with RESUME before it stops, and a writer whose socket saw a
-connection drop stays up to ``remote_control.CLOSE_LINGER_S`` (while a reader
+connection drop stays up to ``control.CLOSE_LINGER_S`` (while a reader
 lacks messages) to resend them, then CLOSEs again.
 
 Control frames from a reader (ACK, RESUME) carry a counter in ``aux`` that

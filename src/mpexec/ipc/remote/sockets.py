@@ -1,8 +1,7 @@
 """ZeroMQ sockets between hosts: the import, addresses, and shared settings.
 
-Used by both ends of a remote queue (``remote``, ``remote_reader``) and by the
-executor's node channel, so that every socket that crosses the network is set
-up one way.
+Used by both ends of a remote queue (``writer``, ``reader``), so that both set
+their sockets up one way, and share one ZeroMQ context per process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The reader end of a queue on another host: :class:`RemoteReader`.
 
-The protocol is drawn in ``remote`` and ``resend``: attach sends HELLO,
+The protocol is drawn in ``remote.writer`` and ``resend``: attach sends HELLO,
 ``wait_until_ready`` waits for the writer's WELCOME, ``dequeue`` takes the
 DATA frame with the next sequence number and ACKs every half window (at once
 after a large message, so the writer's resend log lets it go).  A DATA frame
@@ -42,8 +42,8 @@ from mpexec.ipc.auth import (
     is_refusal,
 )
 from mpexec.ipc.curve import HandshakeWatch, secure
-from mpexec.ipc.message_queue import DEFAULT_TICK_S, Handle, MessageQueue
-from mpexec.ipc.remote_socket import (
+from mpexec.ipc.handle import DEFAULT_TICK_S, Handle
+from mpexec.ipc.remote.sockets import (
     CLOSE_GRACE_S,
     CONTROL_MAX_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -59,32 +59,31 @@ _HELLO_REPEAT_S = 1.0
 SILENCE_S = 0.5     # nothing heard for this long: RESUME (the writer may be waiting)
 GAP_REPEAT_S = 0.2  # a gap asks again for the same message no sooner than this
 # CLOSE came before messages it counts: how long to wait for them to be resent
-# (the writer stays up to remote_control.CLOSE_LINGER_S for it) before giving up.
+# (the writer stays up to control.CLOSE_LINGER_S for it) before giving up.
 CLOSE_GAP_WAIT_S = 2.0
 _CURVE_CHECK_S = 0.1
 
 
-class RemoteReader(MessageQueue):
-    """A reader end on another host (see the module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # made by attach()
+class RemoteReader:
+    """A reader end on another host (see the module docstring); a
+    :class:`~mpexec.ipc.ends.QueueReader`.  Constructing one connects to the
+    writer and says HELLO."""
 
     @classmethod
     def attach(cls, handle: Handle, rank: int, secret: str | bytes | None, *,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                tick_s: float = DEFAULT_TICK_S) -> RemoteReader:
+        """Attach as remote reader ``rank`` (``MessageQueue.create_from_handle``)."""
+        return cls(handle, rank, secret, max_message_bytes=max_message_bytes, tick_s=tick_s)
+
+    def __init__(self, handle: Handle, rank: int, secret: str | bytes | None, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tick_s: float = DEFAULT_TICK_S) -> None:
         if secret is None:
             raise ValueError(f"queue {handle.name!r}: a remote reader needs the cluster secret")
         if handle.remote_subscribe_addr is None or rank in handle.local_reader_ranks or not (
                 0 <= rank < handle.n_reader):
             raise ValueError(f"rank {rank} is not a remote reader of queue {handle.name!r}")
-        reader = object.__new__(cls)
-        reader._attach(handle, rank, secret, max_message_bytes, tick_s)
-        return reader
-
-    def _attach(self, handle: Handle, rank: int, secret: str | bytes,
-                max_message_bytes: int, tick_s: float) -> None:
         zmq = zmq_module()
         self.name = handle.name
         self.n_reader = handle.n_reader
@@ -161,6 +160,7 @@ class RemoteReader(MessageQueue):
         return self._closed
 
     def broadcast_object(self, obj: Any = None) -> Any:
+        """The next message (the writer's ``broadcast_object`` sent it)."""
         return self.dequeue()
 
     def _enter_call(self) -> None:
@@ -174,7 +174,9 @@ class RemoteReader(MessageQueue):
         if self._closed:
             self._close_socket_if_idle()
 
-    def _handshake(self, deadline: float | None) -> None:
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait for the writer's WELCOME (it comes once every reader said HELLO)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._enter_call()
         try:
             hello_at = time.monotonic() + _HELLO_REPEAT_S
@@ -367,6 +369,7 @@ class RemoteReader(MessageQueue):
         return None
 
     def shutdown(self) -> None:
+        """Leave: tell the writer (CLOSE) and close the socket once no call is inside."""
         with self._end_lock:
             if self._closed:
                 return
@@ -396,7 +399,7 @@ class RemoteReader(MessageQueue):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<MessageQueue {self.name!r} remote reader {self.rank} {state}>"
+        return f"<RemoteReader {self.name!r} rank {self.rank} {state}>"
 
 
 def _decode(message: Opened) -> Any:

@@ -32,8 +32,8 @@ from mpexec.ipc.auth import (
     kind_of,
     refusal,
 )
-from mpexec.ipc.remote_socket import zmq_module
-from mpexec.ipc.resend import ResendLog
+from mpexec.ipc.remote.resend import ResendLog
+from mpexec.ipc.remote.sockets import zmq_module
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ SERVICE_S = 0.05  # how often an idle writer reads its readers' control frames
 # still lack messages (they ask with RESUME when CLOSE tells them how many).
 CLOSE_LINGER_S = 1.0
 # ... if the drop was this recent (a longer-ago loss the reader's RESUME after
-# remote_reader.SILENCE_S has recovered already).
+# reader.SILENCE_S has recovered already).
 RECENT_DROP_S = 1.0
 
 
