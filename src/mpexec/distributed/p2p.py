@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpexec.distributed.shm_collectives import node_identity
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ShmChannels:
         self._send_object = send_object
         self._recv_object = recv_object
         self._out: dict[int, MessageQueue | None] = {}
-        self._in: dict[int, MessageQueue | None] = {}
+        self._in: dict[int, QueueReader | None] = {}
 
     def to(self, peer: int) -> MessageQueue | None:
         """The queue to ``peer``, or None when this pair goes through gloo."""
@@ -54,7 +54,7 @@ class ShmChannels:
             self._out[peer] = self._open_writer(peer)
         return self._out[peer]
 
-    def from_(self, peer: int) -> MessageQueue | None:
+    def from_(self, peer: int) -> QueueReader | None:
         """The queue from ``peer``, or None when this pair goes through gloo."""
         if peer not in self._in:
             self._in[peer] = self._open_reader(peer)
@@ -77,7 +77,7 @@ class ShmChannels:
                     refusal)
         return None
 
-    def _open_reader(self, peer: int) -> MessageQueue | None:
+    def _open_reader(self, peer: int) -> QueueReader | None:
         node, handle = self._recv_object(peer)
         if node != node_identity():
             self._send_object("the ranks are on different nodes", peer)

@@ -62,7 +62,7 @@ from mpexec.executor.ranks import global_start_rank
 from mpexec.executor.replies import ReplyRouter
 from mpexec.executor.tracing import Tracer
 from mpexec.executor.verdict import closing_rank, first_gone
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 from mpexec.outputs import KVOutputAggregator
 
 # How long one enqueue attempt may wait for ring space before the driver
@@ -91,7 +91,7 @@ class Driver(Executor):
             self._broadcast = self._traced_broadcast  # type: ignore[method-assign]
         self.workers: list[WatchedWorker] = self.lifecycle.handles
         self.rpc_broadcast_mq: MessageQueue | None = None
-        self.response_mqs: list[MessageQueue] = []
+        self.response_mqs: list[QueueReader] = []
         self.shared_worker_lock: Any = None
         # The router outlives calls (the lifecycle holds it); weak references
         # back to the executor keep the executor collectable.

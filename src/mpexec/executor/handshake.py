@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 
 from mpexec.errors import PeerDiedError, QueueClosedError, WorkerStartupError
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 
 
-def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: float,
+def handshake(broadcast: MessageQueue, replies: list[QueueReader], deadline: float,
               timeout_s: float, lost: Callable[[], str | None] | None = None,
               explain_closed: Callable[[QueueClosedError], WorkerStartupError | None]
               | None = None) -> None:
@@ -31,8 +31,9 @@ def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: fl
     # Ensure message queues are ready.  Will deadlock if re-ordered: each
     # worker waits on the broadcast queue before its reply queue, so we
     # must finish the broadcast handshake before waiting on any reply queue.
+    queues: list[MessageQueue | QueueReader] = [broadcast, *replies]
     try:
-        for mq in (broadcast, *replies):
+        for mq in queues:
             _wait_until_ready(mq, deadline, lost)
     except PeerDiedError as exc:
         raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
@@ -53,7 +54,7 @@ def handshake(broadcast: MessageQueue, replies: list[MessageQueue], deadline: fl
 _HANDSHAKE_SLICE_S = 1.5
 
 
-def _wait_until_ready(mq: MessageQueue, deadline: float,
+def _wait_until_ready(mq: MessageQueue | QueueReader, deadline: float,
                       lost: Callable[[], str | None] | None) -> None:
     while True:
         now = time.monotonic()

@@ -53,7 +53,7 @@ from mpexec.executor.launcher import WatchedWorker, WorkerHandle
 from mpexec.executor.spec import PortReservation
 from mpexec.executor.stall import Stall, StallWatch
 from mpexec.executor.termination import TerminationPolicy
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 
 logger = logging.getLogger("mpexec.executor.multiproc")
 
@@ -103,7 +103,7 @@ class Lifecycle:
         self.first_error: WorkerDiedError | None = None
         self.stall: StallWatch | None = None
         self.handles: list[WatchedWorker] = []
-        self.queues: list[MessageQueue] = []
+        self.queues: list[MessageQueue | QueueReader] = []
         self.calls: CallOrder | None = None
         self.port: PortReservation | None = None
         self.monitor: threading.Thread | None = None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from mpexec.errors import QueueClosedError
 from mpexec.executor.futures import UndecodableReply
 from mpexec.executor.protocol import Reply
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import QueueReader
 
 
 class _Undecodable:
@@ -41,11 +41,11 @@ class ReplyRouter:
                  pid_of: Callable[[int], int]) -> None:
         self._on_closed = on_closed
         self._pid_of = pid_of
-        self._queues: Sequence[MessageQueue] = ()
+        self._queues: Sequence[QueueReader] = ()
         self._stash: list[deque[Reply | _Undecodable]] = []
         self.lock: threading.Lock | None = None
 
-    def attach(self, queues: Sequence[MessageQueue], lock: threading.Lock) -> None:
+    def attach(self, queues: Sequence[QueueReader], lock: threading.Lock) -> None:
         self._queues = queues
         self._stash = [deque() for _ in queues]
         self.lock = lock

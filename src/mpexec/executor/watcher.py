@@ -37,7 +37,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 from mpexec.ipc.shm import Segment, SegmentRef
 from mpexec.system import kill_process_group, process_gone
 
@@ -64,14 +64,14 @@ class DeathPipeWatcher:
         # the SIGTERM that follows, or only SIGKILL could end it.
         self.stopping = threading.Event()
         self.main_done = threading.Event()
-        self._queues: list[MessageQueue] | None = None
+        self._queues: list[MessageQueue | QueueReader] | None = None
         self._lock = threading.Lock()
         self._eof = False
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True, name="DeathPipeMonitor").start()
 
-    def watch(self, queues: list[MessageQueue]) -> None:
+    def watch(self, queues: list[MessageQueue | QueueReader]) -> None:
         """From now on, the death pipe closing shuts these queues down."""
         with self._lock:
             self._queues = queues

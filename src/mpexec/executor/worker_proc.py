@@ -57,7 +57,7 @@ from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import NO_TRACER, Tracer
 from mpexec.executor.watcher import DeathPipeWatcher, Heartbeat, SignalBackstop, end_own_group
 from mpexec.executor.worker_base import WorkerWrapperBase
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 from mpexec.outputs import AsyncModelRunnerOutput
 from mpexec.system import (
     apply_cpu_affinity,
@@ -85,7 +85,7 @@ class WorkerProc:
         self.local_rank = spec.context.local_rank
         self.tracer = tracer
         self._signalled = is_stopping
-        self.rpc_broadcast_mq: MessageQueue | None = None
+        self.rpc_broadcast_mq: QueueReader | None = None
         self.worker_response_mq: MessageQueue | None = None
         self.use_async_scheduling = self.config.scheduler.async_scheduling
         self.async_output_queue: queue.Queue[Any] = queue.Queue()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpexec.config import ExecutorConfig
-from mpexec.ipc import MessageQueue
+from mpexec.ipc import MessageQueue, QueueReader
 from mpexec.ipc.auth import generate_secret
 
 
@@ -111,7 +111,7 @@ def broadcast_queue(config: ExecutorConfig, plan: QueuePlan) -> MessageQueue:
                         secret=plan.secret, curve=config.cluster_curve and plan.remote)
 
 
-def reply_queue(config: ExecutorConfig, plan: QueuePlan, handle: Any) -> MessageQueue:
+def reply_queue(config: ExecutorConfig, plan: QueuePlan, handle: Any) -> QueueReader:
     """The driver's reader of one actor's reply queue (remote when the actor is)."""
     return MessageQueue.create_from_handle(handle, 0, spin_s=config.mq_spin_s,
                                            secret=plan.secret)
