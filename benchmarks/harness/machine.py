@@ -18,6 +18,34 @@ def proc_cpu_s(pid: int) -> float:
     return stat.cpu_s
 
 
+def descendant_pids(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (children, their children, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = proc_stat(int(entry))
+            if stat is not None:
+                parents.setdefault(stat.ppid, []).append(stat.pid)
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def cpu_s_of(pids: set[int]) -> dict[int, float]:
+    """utime + stime of each of ``pids`` still there."""
+    out = {}
+    for pid in pids:
+        stat = proc_stat(pid)
+        if stat is not None:
+            out[pid] = stat.cpu_s
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     model = "?"
     try:

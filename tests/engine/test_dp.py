@@ -49,7 +49,9 @@ def test_two_replicas_give_one_replicas_outputs_in_order(params: SamplingParams)
         outputs = llm.generate(PROMPTS, params)
         per_replica = [e.stats.sampled_tokens for e in llm.engine.replicas]
         stats = llm.engine.stats
+        step_totals = [e.stats.sync_step_total_s for e in llm.engine.replicas]
         assert not llm.engine._owner  # forgotten once finished
+    assert stats.sync_step_total_s == pytest.approx(sum(step_totals)) and all(step_totals)
     assert [o.token_ids for o in outputs] == expected(params)
     assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in PROMPTS]
     assert all(per_replica)  # both replicas got work

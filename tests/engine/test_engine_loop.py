@@ -63,6 +63,21 @@ def test_same_tokens_on_every_executor_and_layout(
         assert engine.stats.executor_share is not None
 
 
+def test_step_timings_keep_a_bounded_window_and_running_totals(
+        engine_factory: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    import mpexec.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SYNC_STEP_WINDOW", 4)
+    engine = engine_factory("uni", 1, 1, False)
+    run_all(engine)
+    stats = engine.stats
+    assert stats.steps > 4
+    assert len(stats.sync_step_s) == len(stats.sync_worker_s) == 4  # the last 4 steps
+    assert stats.sync_step_total_s > sum(stats.sync_step_s) > 0  # every step
+    assert stats.sync_worker_total_s >= sum(stats.sync_worker_s)
+    assert stats.executor_share is not None
+
+
 def test_async_keeps_two_steps_in_flight(engine_factory: Callable[..., Engine]) -> None:
     engine = engine_factory("mp", 1, 1, True)
     assert engine.max_steps_in_flight == 2 and engine.allow_placeholders

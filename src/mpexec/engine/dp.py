@@ -128,6 +128,8 @@ class DataParallelEngine:
                 setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
             total.sync_step_s += engine.stats.sync_step_s
             total.sync_worker_s += engine.stats.sync_worker_s
+            total.sync_step_total_s += engine.stats.sync_step_total_s
+            total.sync_worker_total_s += engine.stats.sync_worker_total_s
         return total
 
     @property

@@ -79,6 +79,9 @@ class EngineDeadError(MpexecError, RuntimeError):
     """The engine failed earlier (``__cause__`` says why) and takes no more work."""
 
 
+SYNC_STEP_WINDOW = 4096  # synchronous steps whose timings EngineStats keeps
+
+
 @dataclass
 class EngineStats:
     """Counters of one engine; the executor's share comes from synchronous steps."""
@@ -90,16 +93,20 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # Synchronous steps only: driver-side time of execute_model + sample_tokens,
-    # and the time the output rank reported inside those two methods.
-    sync_step_s: list[float] = field(default_factory=list)
-    sync_worker_s: list[float] = field(default_factory=list)
-    # Their running sums (a server's metrics read these, never the lists).
+    # and the time the output rank reported inside those two methods, for the
+    # last SYNC_STEP_WINDOW steps (a long-running server must not grow them).
+    sync_step_s: deque[float] = field(
+        default_factory=lambda: deque(maxlen=SYNC_STEP_WINDOW))
+    sync_worker_s: deque[float] = field(
+        default_factory=lambda: deque(maxlen=SYNC_STEP_WINDOW))
+    # Their running sums over every step (a server's metrics read these).
     sync_step_total_s: float = 0.0
     sync_worker_total_s: float = 0.0
 
     @property
     def executor_share(self) -> float | None:
-        """Fraction of a step spent outside the workers' methods (None: no sync steps)."""
+        """Fraction of a step spent outside the workers' methods, over the recent
+        window of synchronous steps (None: no sync steps)."""
         total = sum(self.sync_step_s)
         if not total or len(self.sync_worker_s) != len(self.sync_step_s):
             return None

@@ -291,22 +291,7 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
         prompts = completion_prompts(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = server.open_streams(prompts, params, body.n, request_id)
-        if body.stream:
-            return StreamingResponse(
-                _completion_events(server, streams, request_id, name, body.include_usage,
-                                   body.n),
-                media_type="text/event-stream")
-        tracker = await _collect_unless_gone(request, server, streams)
-        choices = []
-        for index, output in enumerate(tracker.final):
-            assert output is not None
-            choices.append({"index": index, "text": output.text,
-                            "logprobs": server.logprobs(output, 0, chat=False),
-                            "finish_reason": output.finish_reason,
-                            "stop_reason": getattr(output.outputs[0], "stop_reason", None)})
-        return JSONResponse({"id": request_id, "object": "text_completion",
-                             "created": int(time.time()), "model": name, "choices": choices,
-                             "usage": _usage(streams, tracker, body.n)})
+        return await _answer(request, server, streams, request_id, name, body, COMPLETION)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -328,22 +313,7 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
         params = sampling_params(body, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = server.open_streams([{"prompt_token_ids": ids}], params, body.n, request_id)
-        if body.stream:
-            return StreamingResponse(
-                _chat_events(server, streams, request_id, name, body.include_usage, body.n),
-                media_type="text/event-stream")
-        tracker = await _collect_unless_gone(request, server, streams)
-        choices = []
-        for index, output in enumerate(tracker.final):
-            assert output is not None
-            choices.append({"index": index,
-                            "message": {"role": "assistant", "content": output.text},
-                            "logprobs": server.logprobs(output, 0, chat=True),
-                            "finish_reason": output.finish_reason,
-                            "stop_reason": getattr(output.outputs[0], "stop_reason", None)})
-        return JSONResponse({"id": request_id, "object": "chat.completion",
-                             "created": int(time.time()), "model": name, "choices": choices,
-                             "usage": _usage(streams, tracker, body.n)})
+        return await _answer(request, server, streams, request_id, name, body, CHAT)
 
     return app
 
@@ -408,15 +378,77 @@ def _usage(streams: list[RequestStream], tracker: _Tracker, n: int) -> dict[str,
             "total_tokens": prompt + completion}
 
 
-async def _completion_events(server: Server, streams: list[RequestStream], request_id: str,
-                             model: str, include_usage: bool, n: int) -> AsyncIterator[str]:
-    created = int(time.time())
+class _Shape:
+    """What tells a completion's JSON from a chat completion's; the rest is one path."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.reply_object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def reply_choice(self, index: int, output: RequestOutput, logprobs: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": output.text}
+        else:
+            choice["text"] = output.text
+        choice.update(logprobs=logprobs, finish_reason=output.finish_reason,
+                      stop_reason=getattr(output.outputs[0], "stop_reason", None))
+        return choice
+
+    def opening_choices(self, count: int) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant's role."""
+        if not self.chat:
+            return []
+        return [{"index": index, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None} for index in range(count)]
+
+    def chunk_choice(self, index: int, delta: str, output: RequestOutput,
+                     logprobs: Any) -> dict[str, Any]:
+        finish = output.finish_reason if output.finished else None
+        if self.chat:
+            return {"index": index, "delta": {"content": delta} if delta else {},
+                    "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": getattr(output.outputs[0], "stop_reason", None)}
+
+
+COMPLETION = _Shape(chat=False)
+CHAT = _Shape(chat=True)
+
+
+async def _answer(request: Request, server: Server, streams: list[RequestStream],
+                  request_id: str, model: str, body: Any, shape: _Shape) -> Response:
+    """The reply to an opened request: server-sent events, or one JSON body at the end."""
+    if body.stream:
+        return StreamingResponse(
+            _events(server, streams, request_id, model, body.include_usage, body.n, shape),
+            media_type="text/event-stream")
+    tracker = await _collect_unless_gone(request, server, streams)
+    choices = []
+    for index, output in enumerate(tracker.final):
+        assert output is not None
+        choices.append(shape.reply_choice(index, output,
+                                          server.logprobs(output, 0, chat=shape.chat)))
+    return JSONResponse({"id": request_id, "object": shape.reply_object,
+                         "created": int(time.time()), "model": model, "choices": choices,
+                         "usage": _usage(streams, tracker, body.n)})
+
+
+async def _events(server: Server, streams: list[RequestStream], request_id: str, model: str,
+                  include_usage: bool, n: int, shape: _Shape) -> AsyncIterator[str]:
     tracker = _Tracker(streams, server.metrics)
+    # Every chunk of a stream starts alike: that part is serialised once.
+    head = json.dumps({"id": request_id, "object": shape.chunk_object,
+                       "created": int(time.time()), "model": model},
+                      ensure_ascii=False)[:-1]
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        return _sse({"id": request_id, "object": "text_completion", "created": created,
-                     "model": model, "choices": choices})
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        tail = f', "usage": {json.dumps(usage)}' if usage is not None else ""
+        return f"data: {head}, \"choices\": {json.dumps(choices, ensure_ascii=False)}{tail}}}\n\n"
 
+    for choice in shape.opening_choices(len(streams)):
+        yield chunk([choice])
     async for index, item in _merged(streams):
         if isinstance(item, BaseException):
             yield _sse(_engine_error(item).body())
@@ -424,43 +456,9 @@ async def _completion_events(server: Server, streams: list[RequestStream], reque
         delta, start = tracker.update(index, item)
         if not delta and not item.finished:
             continue
-        yield chunk([{"index": index, "text": delta,
-                      "logprobs": server.logprobs(item, start, chat=False),
-                      "finish_reason": item.finish_reason if item.finished else None,
-                      "stop_reason": getattr(item.outputs[0], "stop_reason", None)}])
+        yield chunk([shape.chunk_choice(index, delta, item,
+                                        server.logprobs(item, start, chat=shape.chat))])
     else:
         if include_usage:
-            yield _sse({"id": request_id, "object": "text_completion", "created": created,
-                        "model": model, "choices": [],
-                        "usage": _usage(streams, tracker, n)})
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_events(server: Server, streams: list[RequestStream], request_id: str,
-                       model: str, include_usage: bool, n: int) -> AsyncIterator[str]:
-    created = int(time.time())
-    tracker = _Tracker(streams, server.metrics)
-
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        return _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                     "model": model, "choices": choices})
-
-    for index in range(len(streams)):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}])
-    async for index, item in _merged(streams):
-        if isinstance(item, BaseException):
-            yield _sse(_engine_error(item).body())
-            break
-        delta, start = tracker.update(index, item)
-        if not delta and not item.finished:
-            continue
-        yield chunk([{"index": index, "delta": {"content": delta} if delta else {},
-                      "logprobs": server.logprobs(item, start, chat=True),
-                      "finish_reason": item.finish_reason if item.finished else None}])
-    else:
-        if include_usage:
-            yield _sse({"id": request_id, "object": "chat.completion.chunk",
-                        "created": created, "model": model, "choices": [],
-                        "usage": _usage(streams, tracker, n)})
+            yield chunk([], _usage(streams, tracker, n))
     yield "data: [DONE]\n\n"
