@@ -271,6 +271,11 @@ class SchedulerOutput:
     from its ``NewRequestData`` until its id appears in
     ``finished_req_ids`` (finished, aborted or preempted).  The payload stays
     small on purpose: a decoding request ships one token id.
+
+    Speculative decoding: ``scheduled_spec_decode_tokens[req_id]`` are draft
+    tokens, the last ``len(drafts)`` of ``scheduled_tokens[req_id]``; the step
+    samples a token after each of them as well as after the last real token,
+    and returns the drafts it accepted plus one token of its own.
     """
 
     step: int = 0
@@ -283,6 +288,11 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # requests the workers should forget before running this step
     finished_req_ids: set[str] = field(default_factory=set)
+    # request id -> the draft tokens that end its scheduled_tokens (speculative decoding)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> the length its block table is cut to before new_block_ids are
+    # appended (blocks that held only rejected drafts were freed)
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
     # what the KV connector's workers do this step (loads, saves), if one is configured
     kv_connector_metadata: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -320,19 +330,20 @@ class KVConnectorOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """The result of one step: one sampled token per request that sampled.
+    """The result of one step: the tokens of each request that sampled.
 
     ``req_ids`` lists the requests that sampled in this step, in batch
     order; ``sampled_token_ids[i]`` holds the token(s) of ``req_ids[i]``
-    and ``logprobs[i]`` the log-probabilities of its sampled token when the
-    request asked for them (None otherwise).  ``prompt_logprobs[req_id]`` is
+    (one, or with speculative decoding the accepted drafts and one more)
+    and ``logprobs[i]`` the log-probabilities of those tokens, one row per
+    token, when the request asked for them (None otherwise).  ``prompt_logprobs[req_id]`` is
     ``(position, rows)``: the rows score the prompt tokens at ``position``
     onwards (a prefill chunk of a request with ``prompt_logprobs``).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[LogprobsRow | None] | None = None
+    logprobs: list[list[LogprobsRow] | None] | None = None
     prompt_logprobs: dict[str, tuple[int, list[LogprobsRow]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
     extra: dict[str, Any] = field(default_factory=dict)

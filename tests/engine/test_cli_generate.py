@@ -192,3 +192,33 @@ def test_bad_kv_transfer_config_is_refused_before_any_worker_starts(config: str,
     with pytest.raises(ValueError, match=message):
         LLM("fake", worker_cls=FAKE_WORKER, tokenizer=FakeTokenizer(), max_model_len=64,
             kv_transfer_config=config)
+
+
+def test_speculative_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+
+    def start(args: argparse.Namespace, tp: int, pp: int) -> LLM:
+        seen.append(generate.speculative_config(args))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(generate, "start_llm", start)
+    config = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    assert cli.main(["generate", "--prompt", "x", "--speculative-ngram", "4"]) == 2
+    assert cli.main(["generate", "--prompt", "x", "--speculative-config", config]) == 2
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    assert seen == [{"method": "ngram", "num_speculative_tokens": 4}, config, None]
+    with pytest.raises(SystemExit):  # one or the other
+        cli.build_parser().parse_args(["generate", "--speculative-ngram", "2",
+                                       "--speculative-config", config])
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"method": "medusa"}', "method must be one of"),
+    ({"num_speculative_tokens": 4}, "needs the model worker"),
+])
+def test_bad_speculative_config_is_refused_before_any_worker_starts(config: Any,
+                                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM("fake", worker_cls=FAKE_WORKER, tokenizer=FakeTokenizer(), max_model_len=64,
+            speculative_config=config)

@@ -139,7 +139,7 @@ class StepDriver:
                 if self.fetch_logits:
                     run.logits.append(logits[row])
                 if result.logprobs is not None and result.logprobs[row] is not None:
-                    run.logprobs.append(result.logprobs[row].logprob)
+                    run.logprobs.append(result.logprobs[row][0].logprob)
                 if len(run.output) >= run.params.max_tokens:
                     finished.add(rid)
             for rid in finished:

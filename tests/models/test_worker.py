@@ -159,7 +159,8 @@ def test_pipeline_runs_two_micro_batches_in_flight(tiny_checkpoint: Path, refere
 @pytest.mark.slow
 def test_health_warm_up_and_drafts_on_two_ranks(tiny_checkpoint: Path, leak_check: None) -> None:
     repeating = [5, 6, 7, 8, 5, 6, 7]
-    with make_executor(tiny_checkpoint, tp=2) as executor:
+    lookup = {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with make_executor(tiny_checkpoint, tp=2, speculative_config=lookup) as executor:
         executor.check_health()
         executor.execute_dummy_batch()
         executor.execute_model(SchedulerOutput(
@@ -174,7 +175,8 @@ def test_health_warm_up_and_drafts_on_two_ranks(tiny_checkpoint: Path, leak_chec
     history = [*repeating, sampled]
     from mpexec.models.ngram import propose
 
-    assert drafts.draft_token_ids == [propose(history)] and drafts.draft_token_ids[0]
+    assert drafts.draft_token_ids == [propose(history, num_draft=3, max_n=3, min_n=1)]
+    assert drafts.draft_token_ids[0]
     # 9 heads / 3 KV heads on 2 ranks: 2 + 1 KV heads, so the blocks cost 2:1
     assert sizes[0] == 2 * sizes[1]
 

@@ -22,3 +22,27 @@ def test_shorter_ngrams_are_tried_when_longer_ones_fail() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="bad n-gram settings"):
         propose([1, 2], num_draft=0)
+
+
+def test_a_match_near_the_end_continues_the_pattern() -> None:
+    assert propose([7, 7, 7], num_draft=4) == [7, 7, 7, 7]
+    assert propose([1, 2, 1, 2], num_draft=5, min_n=2) == [1, 2, 1, 2, 1]
+
+
+def test_speculative_config_takes_vllm_names_and_refuses_nonsense() -> None:
+    from mpexec.models.ngram import SpeculativeConfig
+
+    config = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 3, '
+                                         '"prompt_lookup_max": 5}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_max,
+            config.prompt_lookup_min) == (3, 5, 2)
+    assert SpeculativeConfig.from_dict({"prompt_lookup_max": 1}).prompt_lookup_min == 1
+    assert SpeculativeConfig.from_dict({"prompt_lookup_min": 6}).prompt_lookup_max == 6
+    assert config.propose([1, 2, 3, 4, 2, 3]) == [4, 2, 3]
+    for bad, match in (({"method": "eagle"}, "method"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "exceeds"),
+                       ({"draft_model": "x"}, "unknown field"), ("[1]", "JSON object"),
+                       ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_dict(bad)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from mpexec.cli import UsageError
 
@@ -100,6 +100,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help='KV connector, e.g. \'{"kv_connector": "CPUOffloadConnector", '
                         '"kv_connector_extra_config": {"disk_path": "/tmp/kv"}}\'')
+    spec = parser.add_mutually_exclusive_group()
+    spec.add_argument("--speculative-ngram", type=_positive_int, default=None, metavar="K",
+                      help="speculative decoding: up to K prompt-lookup (n-gram) draft tokens "
+                      "per step, verified in one forward pass (default: off)")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='speculative decoding, vLLM\'s fields, e.g. \'{"method": "ngram", '
+                      '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                      '"prompt_lookup_min": 2}\'')
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the workers run (auto: CUDA when visible, else CPU)")
     parser.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"),
@@ -192,3 +200,13 @@ DEMO_CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Explain in two sentences what a shared-memory ring buffer is."}],
     [{"role": "user", "content": "Write a haiku about parallel computing."}],
 ]
+
+
+def speculative_config(args: argparse.Namespace) -> str | dict[str, Any] | None:
+    """``--speculative-ngram K`` or ``--speculative-config JSON`` as LLM's
+    ``speculative_config`` (None: off)."""
+    k = getattr(args, "speculative_ngram", None)
+    if k is not None:
+        return {"method": "ngram", "num_speculative_tokens": k}
+    raw: str | None = getattr(args, "speculative_config", None)
+    return raw

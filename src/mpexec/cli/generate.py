@@ -35,6 +35,7 @@ from mpexec.cli.common import (
     follower_command,
     read_secret,
     require_torch,
+    speculative_config,
 )
 
 
@@ -156,6 +157,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    max_num_seqs=getattr(args, "max_num_seqs", 64), log_level=args.log_level,
                    enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                    kv_transfer_config=getattr(args, "kv_transfer_config", None),
+                   speculative_config=speculative_config(args),
                    device=getattr(args, "device", "auto"),
                    distributed_backend=getattr(args, "distributed_backend", "auto"),
                    data_parallel_size=dp,

@@ -44,6 +44,7 @@ forward per step) and single-stage.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -124,8 +125,13 @@ class DataParallelEngine:
         """The replicas' counters summed."""
         total = EngineStats()
         for _, engine in self._live():
-            for name in ("steps", "scheduled_tokens", "sampled_tokens"):
+            for name in ("steps", "scheduled_tokens", "sampled_tokens", "spec_num_drafts",
+                         "spec_draft_tokens", "spec_accepted_tokens"):
                 setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
+            per_position = engine.stats.spec_accepted_per_position
+            total.spec_accepted_per_position = [
+                a + b for a, b in itertools.zip_longest(total.spec_accepted_per_position,
+                                                        per_position, fillvalue=0)]
             total.sync_step_s += engine.stats.sync_step_s
             total.sync_worker_s += engine.stats.sync_worker_s
             total.sync_step_total_s += engine.stats.sync_step_total_s

@@ -22,6 +22,13 @@ is scheduled while the first runs and its decode inputs are
 (each with about 1/PP of the requests) and the micro-batches hold disjoint
 requests, so no placeholder is sent.
 
+Speculative decoding (``limits.num_speculative_tokens`` > 0): every step
+is followed by ``take_draft_token_ids`` (non-blocking with async
+scheduling, so it runs on the workers right after the step's sampling); the
+drafts reach the scheduler with the step's tokens, for the requests' next
+steps.  A stop string found inside a run of several tokens cuts the output
+after the token that completed it.
+
 Start-up sizes the KV cache: ``num_blocks`` is the minimum over the workers
 of ``determine_available_memory() // kv_cache_block_bytes()`` (and no more
 than ``max_num_seqs`` requests of ``max_model_len`` tokens can use), then
@@ -70,7 +77,13 @@ from mpexec.engine.structured import StructuredOutputs
 from mpexec.errors import MpexecError, WorkerError
 from mpexec.executor import Executor
 from mpexec.executor.verdict import death_behind
-from mpexec.outputs import GrammarOutput, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from mpexec.outputs import (
+    DraftTokenIds,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +102,12 @@ class EngineStats:
     steps: int = 0
     scheduled_tokens: int = 0
     sampled_tokens: int = 0
+    # Speculative decoding: steps' drafts per request, draft tokens run and
+    # accepted, and acceptances of the i-th draft of a step.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     # Prefix cache: prompt tokens looked up, and those served from the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -102,6 +121,12 @@ class EngineStats:
     # Their running sums over every step (a server's metrics read these).
     sync_step_total_s: float = 0.0
     sync_worker_total_s: float = 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted draft tokens per draft token run (None: no drafts yet)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens \
+            else None
 
     @property
     def executor_share(self) -> float | None:
@@ -119,6 +144,7 @@ class _InFlight:
     executed: Future[Any] | None
     sampled: Future[Any] | None
     result: ModelRunnerOutput | None = None
+    drafts: Future[Any] | DraftTokenIds | None = None  # speculative decoding
 
 
 class Engine:
@@ -140,6 +166,7 @@ class Engine:
         self.max_steps_in_flight = executor.max_concurrent_batches if self.async_scheduling \
             else 1
         self.allow_placeholders = executor.parallel_config.pipeline_parallel_size == 1
+        self.speculative = limits.num_speculative_tokens > 0
         self.stats = EngineStats()
         self.error: BaseException | None = None
         self._dead = threading.Event()
@@ -325,15 +352,22 @@ class Engine:
             self._dispatching = scheduler_output
             executed: Any = self.executor.execute_model(scheduler_output)
             sampled: Any = self.executor.sample_tokens(grammar)
+            drafts = self.executor.take_draft_token_ids() if self.speculative else None
             self._dispatching = None
             elapsed = time.perf_counter() - started
             result = executed if executed is not None else sampled
             self._record_sync_step(elapsed, result)
-            self._in_flight.append(_InFlight(scheduler_output, None, None, result))
+            self._in_flight.append(_InFlight(scheduler_output, None, None, result, drafts))
             return
         executed_f: Any = self.executor.execute_model(scheduler_output, non_block=True)
         sampled_f: Any = self.executor.sample_tokens(grammar, non_block=True)
-        self._in_flight.append(_InFlight(scheduler_output, executed_f, sampled_f))
+        drafts_f: Any = None
+        if self.speculative:
+            drafts_f = self.executor.collective_rpc(
+                "take_draft_token_ids", unique_reply_rank=self.executor.output_rank,
+                non_block=True, timeout=self.executor.config.execute_model_timeout_s)
+        self._in_flight.append(_InFlight(scheduler_output, executed_f, sampled_f,
+                                         drafts=drafts_f))
 
     def _record_sync_step(self, elapsed: float, result: Any) -> None:
         extra = getattr(result, "extra", None) or {}
@@ -347,13 +381,19 @@ class Engine:
     def _complete_oldest(self) -> list[Request]:
         item = self._in_flight[0]
         result = item.result
+        drafts = item.drafts
         if item.executed is not None and item.sampled is not None:
             executed = item.executed.result()
             sampled = item.sampled.result()
             result = executed if executed is not None else sampled
+            if isinstance(drafts, Future):
+                drafts = drafts.result()
         self._in_flight.popleft()
-        changed = self.scheduler.update_from_output(item.scheduler_output, result)
-        self.stats.sampled_tokens += sum(1 for r in changed if r.output_token_ids)
+        scheduler = self.scheduler
+        changed = scheduler.update_from_output(item.scheduler_output, result)
+        if isinstance(drafts, DraftTokenIds):
+            scheduler.update_draft_token_ids(item.scheduler_output.step, drafts)
+        self._record_outputs()
         for request in changed:
             if request.grammar is not None and not request.is_finished:
                 request.grammar.advance(request.output_token_ids[-1], return_tokens=False)
@@ -361,11 +401,25 @@ class Engine:
                 self._check_stop_strings(request)
         return changed
 
+    def _record_outputs(self) -> None:
+        scheduler = self.scheduler
+        self.stats.sampled_tokens = scheduler.num_output_tokens
+        spec = scheduler.spec_stats
+        self.stats.spec_num_drafts = spec.num_drafts
+        self.stats.spec_draft_tokens = spec.num_draft_tokens
+        self.stats.spec_accepted_tokens = spec.num_accepted_tokens
+        self.stats.spec_accepted_per_position = list(spec.accepted_per_position)
+
     def _check_stop_strings(self, request: Request) -> None:
         text: StopStringText = request.stop_text
         stop = text.add(request.output_token_ids[text.num_tokens:])
         if stop is None:
             return
+        # several tokens arrived at once: those after the one that ended the text go
+        del request.output_token_ids[text.num_tokens:]
+        for row in request.output_logprobs[text.num_tokens:]:
+            request.cumulative_logprob -= row.logprob
+        del request.output_logprobs[text.num_tokens:]
         if request.is_finished:  # the same token also hit EOS or max_tokens
             request.finish_reason = FinishReason.STOP
             request.stop_reason = stop

@@ -64,6 +64,7 @@ from mpexec.engine.scheduler import SchedulerLimits
 from mpexec.engine.stream_text import StreamText
 from mpexec.engine.validation import check_int, check_params, prepare_prompt
 from mpexec.executor import Executor
+from mpexec.models.ngram import SpeculativeConfig
 from mpexec.outputs import LogprobsRow, SamplingParams
 from mpexec.system.procs import usable_cpus
 
@@ -119,6 +120,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         kv_transfer_config: dict[str, Any] | str | None = None,
+        speculative_config: dict[str, Any] | str | None = None,
         kv_cache_memory_bytes: int | None = None,
         device: str = "auto",
         distributed_backend: str = "auto",
@@ -171,6 +173,7 @@ class LLM:
             from mpexec.models.quantization import check_quantization
 
             check_quantization(quantization)
+        speculative = _speculative(speculative_config, parallel, is_model_worker)
         connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}|{quantization}",
                                  block_size, parallel.world_size)
         if connector is not None:
@@ -200,6 +203,7 @@ class LLM:
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
                 "num_threads": num_threads, "kv_transfer_config": connector,
+                "speculative_config": speculative.to_dict() if speculative else None,
             }
             kwargs.update(worker_kwargs or {})
             executor_fields.setdefault("omp_num_threads", num_threads)
@@ -247,7 +251,9 @@ class LLM:
                                      block_size=block_size * decode_context_parallel_size,
                                      enable_prefix_caching=enable_prefix_caching,
                                      prefix_cache_namespace=f"{model}|{dtype}|{quantization}",
-                                     kv_transfer_config=connector)
+                                     kv_transfer_config=connector,
+                                     num_speculative_tokens=speculative.num_speculative_tokens
+                                     if speculative else 0)
             engines: list[Engine] = []
             for executor in executors:
                 engines.append(Engine(executor, limits, eos, tokenizer=tokenizer,
@@ -723,6 +729,20 @@ def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: i
 
     return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
                                       world_size=world_size).to_dict()
+
+
+def _speculative(raw: dict[str, Any] | str | None, parallel: ParallelConfig,
+                 is_model_worker: bool) -> SpeculativeConfig | None:
+    """``speculative_config`` (a dict or its JSON) checked, or None."""
+    if raw is None:
+        return None
+    config = SpeculativeConfig.from_dict(raw)
+    if not is_model_worker:
+        raise ValueError("speculative_config needs the model worker (worker_cls)")
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        raise ValueError("speculative_config does not support context parallelism "
+                         "(decode/prefill_context_parallel_size > 1) yet")
+    return config
 
 
 def _is_named_model(model: str) -> bool:

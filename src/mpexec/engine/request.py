@@ -74,6 +74,8 @@ class Request:
     skip_kv_load: bool = False
     # Admitted through a KV load: the workers get its NewRequestData when it first runs.
     needs_new_data: bool = False
+    # Speculative decoding: draft tokens proposed after its last step, for its next one.
+    spec_token_ids: list[int] = field(default_factory=list)
     epoch_step: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -43,6 +43,20 @@ release their blocks to the cache (LRU), not to oblivion.
 :class:`~mpexec.outputs.ModelRunnerOutput`, appends each sampled token and
 checks the stop conditions.
 
+Speculative decoding (``num_speculative_tokens`` k > 0): after each step
+the engine hands the workers' draft tokens to :meth:`update_draft_token_ids`;
+a request that decodes next runs its last token and up to k drafts (KV
+slots and budget for all of them), and the step returns the accepted drafts
+plus one token.  ``update_from_output`` appends them one by one, checking
+the stop conditions after each (the rest of the run is dropped), then rolls
+the rejected tail back: ``num_computed_tokens`` loses the rejected drafts,
+and blocks that held only them are freed (the next step tells the workers,
+``truncated_block_tables``); the stale slots in a kept block are
+overwritten by the next step.  A request that may carry drafts waits for
+its step's tokens before its next step (its next position depends on how
+many were accepted), so it never runs on a placeholder.  Requests with
+penalties or structured output never carry drafts.
+
 Pipeline parallelism: the engine passes ``max_requests`` so that the
 requests are spread over the micro-batches in flight (one per stage).
 
@@ -61,7 +75,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpexec.engine.block_manager import BlockManager, blocks_for
@@ -75,6 +89,7 @@ from mpexec.models.kv_connector import (
 )
 from mpexec.outputs import (
     PLACEHOLDER_TOKEN_ID,
+    DraftTokenIds,
     LogprobsRow,
     ModelRunnerOutput,
     NewRequestData,
@@ -99,8 +114,13 @@ class SchedulerLimits:
     prefix_cache_namespace: str = ""
     # The KV connector's settings (KVTransferConfig.to_dict()); None: no connector.
     kv_transfer_config: dict[str, Any] | None = None
+    # Speculative decoding: the most draft tokens a request runs in a step (0: off).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0; got {k!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -111,10 +131,38 @@ class SchedulerLimits:
 
 @dataclass
 class _Scheduled:
-    """A request's part in one step: does the step sample its next token?"""
+    """A request's part in one step: does the step sample its next token, and
+    which drafts does it verify?"""
 
     request: Request
     samples: bool
+    drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SpecDecodeStats:
+    """How the drafts fared: per step that carried drafts for a request, the
+    drafts run and accepted; ``accepted_per_position[i]`` counts the times the
+    (i+1)-th draft was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
 
 
 class Scheduler:
@@ -141,6 +189,9 @@ class Scheduler:
         self._next_step = 0
         self._in_flight: dict[int, list[_Scheduled]] = {}
         self.num_preemptions = 0
+        self.num_output_tokens = 0  # appended to requests' outputs, all steps
+        self.spec_stats = SpecDecodeStats()
+        self._cut_tables: dict[str, int] = {}  # truncated_block_tables of the next step
 
     # -- requests in and out ---------------------------------------------------
 
@@ -206,8 +257,9 @@ class Scheduler:
             if count == 0:
                 index += 1
                 continue
+            drafts = self._drafts_to_run(request, count, budget)
             needed = self.blocks.blocks_needed(
-                len(request.block_ids), request.num_computed_tokens + count)
+                len(request.block_ids), request.num_computed_tokens + count + len(drafts))
             while not self.blocks.can_allocate(needed):
                 # The last running request has not been scheduled in this step
                 # (requests before `index` have); it may be `request` itself.
@@ -224,8 +276,8 @@ class Scheduler:
                 output.scheduled_new_reqs.append(self._new_request_data(request))
             elif new_blocks:
                 output.new_block_ids[request.req_id] = new_blocks
-            batch.append(self._place(output, request, count))
-            budget -= count
+            batch.append(self._place(output, request, count, drafts))
+            budget -= count + len(drafts)
             index += 1
 
         while (not preempted and self.waiting and budget > 0 and len(batch) < room
@@ -268,6 +320,7 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         output.finished_req_ids, self._forget = self._forget, set()
+        output.truncated_block_tables, self._cut_tables = self._cut_tables, {}
         self._in_flight[step] = batch
         self._next_step += 1
         return output
@@ -386,9 +439,11 @@ class Scheduler:
 
     def _tokens_to_run(self, request: Request, budget: int, allow_placeholders: bool) -> int:
         # A structured-output request's next allowed tokens depend on the token
-        # in flight, so it never runs on a placeholder.
+        # in flight, so it never runs on a placeholder; nor does one that may
+        # carry drafts (its next position depends on how many are accepted).
         if request.num_steps_in_flight and (
-                not allow_placeholders or request.sampling_params.guided_decoding is not None):
+                not allow_placeholders or request.sampling_params.guided_decoding is not None
+                or self._speculates(request)):
             return 0
         total = request.num_tokens_with_placeholders
         outputs = len(request.output_token_ids) + request.num_output_placeholders
@@ -396,20 +451,63 @@ class Scheduler:
             return 0  # its last token is being sampled; it finishes when that arrives
         return min(total - request.num_computed_tokens, budget)
 
-    def _place(self, output: SchedulerOutput, request: Request, count: int) -> _Scheduled:
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request may carry drafts (penalties count every token
+        one at a time; a grammar's mask depends on the tokens before it)."""
+        params = request.sampling_params
+        return (self.limits.num_speculative_tokens > 0 and not params.has_penalties
+                and params.guided_decoding is None)
+
+    def _drafts_to_run(self, request: Request, count: int, budget: int) -> list[int]:
+        """The drafts ``request`` runs now: only behind its one decode token,
+        and no more than the budget, the context and ``max_tokens`` leave room for."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or count != 1 or request.num_output_placeholders \
+                or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(self.limits.num_speculative_tokens, budget - 1,
+                   self.limits.max_model_len - request.num_tokens,
+                   request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
+        return drafts[:max(room, 0)]
+
+    def update_draft_token_ids(self, step: int, drafts: DraftTokenIds) -> None:
+        """Drafts the workers proposed after ``step``, for each request's next step."""
+        for req_id, tokens in zip(drafts.req_ids, drafts.draft_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            if (request is not None and request.status is RequestStatus.RUNNING
+                    and request.epoch_step <= step and self._speculates(request)):
+                request.spec_token_ids = list(tokens[:self.limits.num_speculative_tokens])
+
+    def _place(self, output: SchedulerOutput, request: Request, count: int,
+               drafts: list[int] | None = None) -> _Scheduled:
+        drafts = drafts or []
         start = request.num_computed_tokens
         tokens = []
         for position in range(start, start + count):
             token = request.token_at(position)
             tokens.append(PLACEHOLDER_TOKEN_ID if token is None else token)
+        if drafts:
+            tokens.extend(drafts)
+            output.scheduled_spec_decode_tokens[request.req_id] = list(drafts)
         output.scheduled_tokens[request.req_id] = tokens
         output.num_computed_tokens[request.req_id] = start
-        request.num_computed_tokens += count
+        request.num_computed_tokens += count + len(drafts)
         request.num_steps_in_flight += 1
-        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        samples = request.num_computed_tokens - len(drafts) \
+            == request.num_tokens_with_placeholders
         if samples:
             request.num_output_placeholders += 1
-        return _Scheduled(request, samples)
+        return _Scheduled(request, samples, drafts)
+
+    def _roll_back(self, request: Request, drafts: list[int], accepted: int) -> None:
+        """Forget the KV of the rejected drafts; free the blocks that held only them."""
+        self.spec_stats.record(len(drafts), accepted)
+        request.num_computed_tokens -= len(drafts) - accepted
+        keep = blocks_for(request.num_computed_tokens, self.limits.block_size)
+        if len(request.block_ids) > keep:
+            self.blocks.free(request.req_id, request.block_ids[keep:])
+            del request.block_ids[keep:]
+            self._cut_tables[request.req_id] = keep
 
     def _preempt(self, request: Request, step: int) -> None:
         logger.debug("preempting %s (recompute): KV blocks ran out", request.req_id)
@@ -418,6 +516,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.needs_new_data = False
+        request.spec_token_ids = []
+        self._cut_tables.pop(request.req_id, None)
         request.status = RequestStatus.WAITING
         request.epoch_step = step  # outputs of earlier steps no longer count
         request.num_preemptions += 1
@@ -434,17 +534,17 @@ class Scheduler:
         kv = output.kv_connector_output if output is not None else None
         if self.connector is not None and kv is not None:
             self._finish_loads(kv)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, LogprobsRow] = {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[LogprobsRow]] = {}
         prompt_logprobs: dict[str, tuple[int, list[LogprobsRow]]] = {}
         if output is not None:
             for i, req_id in enumerate(output.req_ids):
                 tokens = output.sampled_token_ids[i]
                 if tokens:
-                    sampled[req_id] = tokens[0]
-                row = output.logprobs[i] if output.logprobs is not None else None
-                if row is not None:
-                    logprobs[req_id] = row
+                    sampled[req_id] = tokens
+                rows = output.logprobs[i] if output.logprobs is not None else None
+                if rows is not None:
+                    logprobs[req_id] = rows
             prompt_logprobs = output.prompt_logprobs
         now = time.monotonic()
         changed = []
@@ -457,21 +557,27 @@ class Scheduler:
                     or request.epoch_step > scheduler_output.step:
                 continue
             request.num_output_placeholders -= 1
-            token = sampled.get(request.req_id)
-            if token is None:
+            emitted = sampled.get(request.req_id)
+            if not emitted or len(emitted) > len(item.drafts) + 1:
                 raise RuntimeError(
-                    f"step {scheduler_output.step}: the workers returned no token for "
-                    f"{request.req_id}, which was due to sample")
-            request.output_token_ids.append(token)
-            if request.req_id in logprobs:
-                row = logprobs[request.req_id]
-                request.output_logprobs.append(row)
-                request.cumulative_logprob += row.logprob
+                    f"step {scheduler_output.step}: the workers returned {emitted or 'no token'} "
+                    f"for {request.req_id}, which was due to sample 1 to "
+                    f"{len(item.drafts) + 1} tokens")
+            if item.drafts:  # before a stop frees the blocks: the rejected KV is never cached
+                self._roll_back(request, item.drafts, len(emitted) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
+            rows = logprobs.get(request.req_id)
+            for index, token in enumerate(emitted):
+                request.output_token_ids.append(token)
+                self.num_output_tokens += 1
+                if rows is not None:
+                    request.output_logprobs.append(rows[index])
+                    request.cumulative_logprob += rows[index].logprob
+                reason = self._stop_reason(request, token)
+                if reason is not None:  # the rest of an accepted run is dropped
+                    self._finish(request, reason)
+                    break
             changed.append(request)
         return changed
 
@@ -488,6 +594,8 @@ class Scheduler:
         """
         batch = self._in_flight.pop(scheduler_output.step, [])
         self._forget |= set(scheduler_output.finished_req_ids)
+        for req_id, length in scheduler_output.truncated_block_tables.items():
+            self._cut_tables.setdefault(req_id, length)
         joined = {new.req_id for new in scheduler_output.scheduled_new_reqs}
         failed = []
         for item in batch:

@@ -2,15 +2,20 @@
 in what the request has seen so far.
 
 For ``n`` from ``max_n`` down to ``min_n``, look for the most recent earlier
-occurrence of the request's last ``n`` tokens; the (up to) ``num_draft``
-tokens that followed it are the proposal.  No match: no proposal.  Cheap,
+occurrence of the request's last ``n`` tokens; the ``num_draft`` tokens
+that followed it are the proposal (when fewer follow before the end, the
+pattern between the match and the end is taken to repeat: ``a b a b`` ->
+``a b a …``).  No match: no proposal.  Cheap,
 model-free, and often right for summarisation, code edits and chat that
 quotes its context.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 
 def propose(tokens: Sequence[int], *, num_draft: int = 3, max_n: int = 3,
@@ -18,13 +23,83 @@ def propose(tokens: Sequence[int], *, num_draft: int = 3, max_n: int = 3,
     """Draft tokens for the sequence ``tokens`` (empty when nothing matches)."""
     if num_draft < 1 or min_n < 1 or max_n < min_n:
         raise ValueError(f"bad n-gram settings: num_draft={num_draft}, n in [{min_n}, {max_n}]")
+    tokens = tokens if isinstance(tokens, list) else list(tokens)
     length = len(tokens)
+    if length < 2:
+        return []
+    last = tokens[-1]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(tokens[length - n:])
-        # Latest start first; the match must end before the suffix itself starts.
-        for start in range(length - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                follow = list(tokens[start + n:start + n + num_draft])
-                if follow:
-                    return follow
+        suffix = tokens[length - n:]
+        # Latest match first; it must end before the suffix does (so that a
+        # token follows it).  Comparing the last token first keeps the scan cheap.
+        for end in range(length - 2, n - 2, -1):
+            if tokens[end] == last and tokens[end - n + 1:end + 1] == suffix:
+                # What followed the match, continued periodically when it runs
+                # into the end (a repeating pattern goes on repeating).
+                period = length - 1 - end
+                return [tokens[end + 1 + i % period] for i in range(num_draft)]
     return []
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with prompt-lookup drafts (vLLM's field names).
+
+    Each step, a request that decodes may carry up to ``num_speculative_tokens``
+    drafts, found by :func:`propose` with n-grams of ``prompt_lookup_max``
+    down to ``prompt_lookup_min`` tokens; the step verifies them
+    (:mod:`mpexec.models.spec_decode`).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}; "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1; "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | str) -> SpeculativeConfig:
+        """From a dict or its JSON; unknown keys are refused by name.  Given
+        only one of the n-gram bounds, the other takes its value when the
+        default would contradict it."""
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object; got {raw!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        values = dict(raw)
+        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        if high is not None and low is None and isinstance(high, int):
+            values["prompt_lookup_min"] = min(cls.prompt_lookup_min, high)
+        if low is not None and high is None and isinstance(low, int):
+            values["prompt_lookup_max"] = max(cls.prompt_lookup_max, low)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        return propose(tokens, num_draft=self.num_speculative_tokens,
+                       max_n=self.prompt_lookup_max, min_n=self.prompt_lookup_min)

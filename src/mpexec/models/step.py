@@ -14,6 +14,13 @@ the token to the request's history in ``sample_tokens`` and finds it here.
 Other stages never see a placeholder (the engine does not send one with
 PP > 1).  ``new_block_ids`` is applied to requests already known: a request
 that is new in this step carries its whole block table in ``block_ids``.
+
+Draft tokens (``scheduled_spec_decode_tokens``) end a request's scheduled
+tokens; each of them and the token before it gets a row that samples
+(:mod:`mpexec.models.spec_decode` decides what is accepted).  The drafts
+join the request's history for this step only: the sampling ranks replace
+them with what was accepted (:meth:`RequestTable.record_sampled`), and the
+next step cuts any that a stage which does not sample still holds.
 """
 
 from __future__ import annotations
@@ -56,10 +63,13 @@ class PreparedStep:
     token_ids: list[int]
     positions: list[int]
     layout: list[ScheduledRequest]
-    sample_rows: list[int]  # row of the last token of each request that samples
-    sample_req_ids: list[str]
-    sample_requests: list[SampleRequest]
+    # the rows that sample: the last token of each request that samples, with
+    # drafts also the token before each draft (so 1 + drafts rows a request)
+    sample_rows: list[int]
+    sample_req_ids: list[str]  # one per request that samples
+    sample_requests: list[SampleRequest]  # one per sample row
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # one per request that samples
 
 
 class RequestTable:
@@ -85,6 +95,10 @@ class RequestTable:
                 state.history = TokenHistory(state.token_ids, num_prompt)
             self.requests[new.req_id] = state
             new_ids.add(new.req_id)
+        for req_id, length in scheduler_output.truncated_block_tables.items():
+            known = self.requests.get(req_id)
+            if known is not None and req_id not in new_ids:
+                del known.block_ids[length:]
         for req_id, blocks in scheduler_output.new_block_ids.items():
             if req_id not in new_ids:
                 self._get(req_id).block_ids.extend(blocks)
@@ -133,13 +147,27 @@ class RequestTable:
             end = start + len(tokens)
             if state.params.prompt_logprobs is not None:
                 self._prompt_rows(step, state, start, end)
+            # rejected drafts of an earlier step, on a stage that does not sample
+            del state.token_ids[max(end, state.prompt_len):]
             if end >= state.prompt_len:
-                step.sample_rows.append(len(step.token_ids) - 1)
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+                if end - len(drafts) < max(state.prompt_len, 1) or drafts != tokens[
+                        len(tokens) - len(drafts):]:
+                    raise ValueError(f"request {req_id!r}: drafts {drafts} are not the end of "
+                                     "its decode tokens")
+                if drafts and state.history is not None:
+                    # its count vectors grow one token at a time and never shrink
+                    raise ValueError(f"request {req_id!r}: drafts for a request with penalties")
+                last_row = len(step.token_ids) - 1
+                for offset in range(len(drafts), -1, -1):
+                    position = end - offset  # of the token this row samples
+                    step.sample_rows.append(last_row - offset)
+                    step.sample_requests.append(SampleRequest(
+                        state.params, state.seed, position,
+                        num_output_tokens=position - state.num_prompt_tokens,
+                        min_tokens_stop_ids=state.min_tokens_stop_ids, history=state.history))
                 step.sample_req_ids.append(req_id)
-                step.sample_requests.append(SampleRequest(
-                    state.params, state.seed, end,
-                    num_output_tokens=end - state.num_prompt_tokens,
-                    min_tokens_stop_ids=state.min_tokens_stop_ids, history=state.history))
+                step.drafts.append(list(drafts))
         return step
 
     @staticmethod
@@ -154,8 +182,13 @@ class RequestTable:
             state.req_id, start + 1, list(range(first_row, first_row + count)),
             state.token_ids[start + 1:last + 1], state.params.prompt_logprobs or 0))
 
-    def record_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
-        for req_id, token in zip(req_ids, tokens, strict=True):
+    def record_sampled(self, req_ids: list[str], tokens: list[list[int]],
+                       drafts: list[list[int]]) -> None:
+        """Each request's drafts (the end of its history) give way to the
+        tokens it emitted."""
+        for req_id, emitted, proposed in zip(req_ids, tokens, drafts, strict=True):
             state = self.requests.get(req_id)
             if state is not None:
-                state.token_ids.append(token)
+                if proposed:
+                    del state.token_ids[len(state.token_ids) - len(proposed):]
+                state.token_ids.extend(emitted)

@@ -36,6 +36,7 @@ initialises ``torch.distributed`` (so in-process executors can coexist).
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import threading
 import time
@@ -48,7 +49,7 @@ import torch
 
 from mpexec.executor.context import WorkerContext
 from mpexec.executor.worker_base import WorkerBase
-from mpexec.models import ngram, profiling
+from mpexec.models import profiling, spec_decode
 from mpexec.models.context_parallel import DcpBatch, build_dcp_batch, dcp_head_counts
 from mpexec.models.kv_cache import (
     AttentionBatch,
@@ -66,6 +67,7 @@ from mpexec.models.kv_connector import (
 )
 from mpexec.models.layers.parallel import SingleRankGroup
 from mpexec.models.llama import LlamaStage, load_stage
+from mpexec.models.ngram import SpeculativeConfig
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
 from mpexec.models.quantization import check_quantization
 from mpexec.models.sampler import SampleRequest, logprob_rows, sample, unpack_bitmask
@@ -109,12 +111,13 @@ def _open_checkpoint(spec: str) -> Any:
 class PendingStep:
     """A step whose logits wait for ``sample_tokens`` (last stage only)."""
 
-    req_ids: list[str]
-    requests: list[SampleRequest]
+    req_ids: list[str]  # one per request that samples
+    requests: list[SampleRequest]  # one per logits row
     logits: torch.Tensor | None
     execute_s: float
     prompt_rows: list[PromptLogprobsRows] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
+    drafts: list[list[int]] = field(default_factory=list)  # one per request that samples
 
 
 class ModelWorker(WorkerBase):
@@ -124,7 +127,8 @@ class ModelWorker(WorkerBase):
                  seed: int = 0, pp_layer_partition: list[int] | None = None,
                  num_threads: int | None = None,
                  kv_transfer_config: dict[str, Any] | None = None,
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto",
+                 speculative_config: dict[str, Any] | None = None) -> None:
         super().__init__(context)
         self.quantization = check_quantization(quantization)
         for name, value in (("block_size", block_size),
@@ -173,6 +177,8 @@ class ModelWorker(WorkerBase):
         self.requests = RequestTable(seed)
         self.pending: deque[PendingStep] = deque()
         self.last_sampled_req_ids: list[str] = []
+        # how take_draft_token_ids proposes (the engine's; else the defaults)
+        self.speculative = SpeculativeConfig.from_dict(speculative_config or {})
         self.connector: KVConnectorBase | None = None
         if kv_transfer_config is not None:
             self.connector = create_connector(KVTransferConfig(**kv_transfer_config),
@@ -425,7 +431,7 @@ class ModelWorker(WorkerBase):
         if self.is_last_stage:
             self.pending.append(PendingStep(step.sample_req_ids, step.sample_requests, logits,
                                             time.perf_counter() - started,
-                                            step.prompt_logprobs, prompt_logits))
+                                            step.prompt_logprobs, prompt_logits, step.drafts))
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
@@ -439,21 +445,42 @@ class ModelWorker(WorkerBase):
         if not self.pending:
             raise RuntimeError("sample_tokens() without a step from execute_model()")
         pending = self.pending.popleft()
-        tokens: list[int] = []
-        logprobs: list[LogprobsRow | None] | None = None
+        tokens: list[list[int]] = []
+        logprobs: list[list[LogprobsRow] | None] | None = None
         if pending.logits is not None and pending.req_ids:
             allowed = self._grammar_mask(grammar_output, pending)
-            tokens, logprobs = sample(pending.logits, pending.requests, allowed)
-        self.requests.record_sampled(pending.req_ids, tokens)
+            row_tokens, row_logprobs = sample(pending.logits, pending.requests, allowed)
+            tokens, logprobs = self._verify(pending.drafts, row_tokens, row_logprobs)
+        self.requests.record_sampled(pending.req_ids, tokens, pending.drafts)
         self.last_sampled_req_ids = pending.req_ids
         if not self.is_output_rank:
             return None if kv_output is None else ModelRunnerOutput(kv_connector_output=kv_output)
         return ModelRunnerOutput(
-            req_ids=list(pending.req_ids), sampled_token_ids=[[t] for t in tokens],
+            req_ids=list(pending.req_ids), sampled_token_ids=tokens,
             logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(pending),
             kv_connector_output=kv_output,
             extra={"worker_execute_s": pending.execute_s,
                    "worker_sample_s": time.perf_counter() - started})
+
+    @staticmethod
+    def _verify(drafts: list[list[int]], row_tokens: list[int],
+                row_logprobs: list[LogprobsRow | None] | None,
+                ) -> tuple[list[list[int]], list[list[LogprobsRow] | None] | None]:
+        """Per request, the tokens it emits (its rows' samples up to the first
+        rejected draft) and their logprob rows."""
+        tokens: list[list[int]] = []
+        logprobs: list[list[LogprobsRow] | None] | None = \
+            None if row_logprobs is None else []
+        row = 0
+        for proposed in drafts:
+            emitted = spec_decode.accept(proposed, row_tokens[row:row + len(proposed) + 1])
+            tokens.append(emitted)
+            if logprobs is not None and row_logprobs is not None:
+                rows = row_logprobs[row:row + len(emitted)]
+                logprobs.append(None if rows[0] is None else
+                                [r for r in rows if r is not None])
+            row += len(proposed) + 1
+        return tokens, logprobs
 
     @staticmethod
     def _prompt_logprobs(pending: PendingStep) -> dict[str, tuple[int, list[LogprobsRow]]]:
@@ -477,14 +504,18 @@ class ModelWorker(WorkerBase):
             bitmask = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).reshape(count, -1)
         rows = unpack_bitmask(bitmask, vocab, pending.logits.device)
         allowed = torch.ones_like(pending.logits, dtype=torch.bool)
-        index = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        # a constrained request has one row (it never carries drafts): its last
+        first_rows = list(itertools.accumulate((len(d) + 1 for d in pending.drafts), initial=0))
+        index = {req_id: first + len(d) for req_id, first, d in
+                 zip(pending.req_ids, first_rows[:-1], pending.drafts, strict=True)}
         for row, req_id in enumerate(grammar_output.structured_output_request_ids):
             if req_id in index:
                 allowed[index[req_id]] = rows[row]
         return allowed
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """n-gram prompt-lookup proposals for the requests that just sampled."""
+        """n-gram prompt-lookup proposals (``speculative_config``) for the
+        requests that just sampled, from their histories with what they emitted."""
         if not self.is_output_rank:
             return None
         drafts = DraftTokenIds()
@@ -492,7 +523,7 @@ class ModelWorker(WorkerBase):
             state = self.requests.requests.get(req_id)
             if state is not None:
                 drafts.req_ids.append(req_id)
-                drafts.draft_token_ids.append(ngram.propose(state.token_ids))
+                drafts.draft_token_ids.append(self.speculative.propose(state.token_ids))
         return drafts
 
     @torch.inference_mode()
