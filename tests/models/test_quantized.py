@@ -294,9 +294,9 @@ def test_the_command_line_passes_quantization_to_the_llm(command: str,
     from mpexec.engine import llm as llm_module
 
     parser = build_parser()
-    args = parser.parse_args([command, "--quantization", "none"])
-    assert args.quantization == "none"
-    assert parser.parse_args([command]).quantization == "auto"
+    args = parser.parse_args([command, "--quantization", "auto"])
+    assert args.quantization == "auto"
+    assert parser.parse_args([command]).quantization == "none"  # packing is opt-in
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--quantization", "int3"])
     seen: dict[str, Any] = {}
@@ -308,7 +308,7 @@ def test_the_command_line_passes_quantization_to_the_llm(command: str,
     monkeypatch.setattr(llm_module, "LLM", Recorder)
     args.log_level = "warning"  # set by mpexec.cli.main
     start_llm(args, 1, 1)
-    assert seen["quantization"] == "none"
+    assert seen["quantization"] == "auto"
 
 
 def test_llm_refuses_an_unknown_quantization_before_starting_workers() -> None:

@@ -44,9 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in the running batch at most (64)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--quantization", default="auto", choices=("auto", "none"),
-                        help="quantised GGUF weights: kept packed on CPU (auto) or "
-                        "dequantised to --dtype at load (none)")
+    parser.add_argument("--quantization", default="none", choices=("auto", "none"),
+                        help="quantised GGUF weights: dequantised to --dtype at load "
+                        "(none, the default: tokens equal to transformers) or kept packed "
+                        "on CPU (auto: faster decode, bfloat16 activations in the "
+                        "matmuls, so a near-tied greedy choice may differ)")
     parser.add_argument("--executor-backend", "--backend", dest="backend",
                         choices=("mp", "uni", "ray"), default="mp",
                         help="worker processes (mp), in this process (uni), Ray actors (ray)")
