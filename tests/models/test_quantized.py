@@ -337,3 +337,23 @@ def test_worker_processes_at_tp2_packed_give_the_in_process_tokens(
         first = runs[f"r{i}"].logits[0]
         torch.testing.assert_close(first, want_logits[i][-1],
                                    atol=RELATIVE * want_logits[i].abs().max().item(), rtol=0)
+
+
+def test_the_demo_runs_the_default_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpexec demo has no --quantization: it must get LLM's default, not its own."""
+    from mpexec.cli import build_parser
+    from mpexec.cli.generate import start_llm
+    from mpexec.engine import llm as llm_module
+
+    args = build_parser().parse_args(["demo"])
+    assert not hasattr(args, "quantization")
+    seen: dict[str, Any] = {}
+
+    class Recorder:
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            seen.update(kwargs)
+
+    monkeypatch.setattr(llm_module, "LLM", Recorder)
+    args.log_level = "warning"
+    start_llm(args, 1, 1)
+    assert seen["quantization"] == "none"
