@@ -71,20 +71,24 @@ class PeerDiedError(QueueClosedError, PeerDeathSymptom):
     """The writer (seen from a reader) or a reader (seen from the writer) died.
 
     ``pid`` is the process that died and ``role`` says which end it was
-    (``"writer"`` or ``"reader <rank>"``).
+    (``"writer"`` or ``"reader <rank>"``, for people); ``reader_rank`` is that
+    reader's rank among the queue's readers (None for the writer).
     """
 
-    def __init__(self, message: str, *, pid: int, role: str) -> None:
+    def __init__(self, message: str, *, pid: int, role: str,
+                 reader_rank: int | None = None) -> None:
         super().__init__(message)
         self.pid = pid
         self.role = role
+        self.reader_rank = reader_rank
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_peer_died, (str(self), self.pid, self.role))
+        return (_rebuild_peer_died, (str(self), self.pid, self.role, self.reader_rank))
 
 
-def _rebuild_peer_died(message: str, pid: int, role: str) -> PeerDiedError:
-    return PeerDiedError(message, pid=pid, role=role)
+def _rebuild_peer_died(message: str, pid: int, role: str,
+                       reader_rank: int | None = None) -> PeerDiedError:
+    return PeerDiedError(message, pid=pid, role=role, reader_rank=reader_rank)
 
 
 class WorkerError(MpexecError, RuntimeError):

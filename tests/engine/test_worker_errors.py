@@ -227,3 +227,15 @@ def test_a_death_while_idle_is_named_by_the_next_request(engine_factory: Any) ->
         cause = info.value.__cause__
         assert isinstance(cause, WorkerDiedError) and cause is executor.failure
         assert cause.rank == 1 and cause.pid == pid and cause.signal_name == "SIGKILL"
+
+
+def test_the_closing_rank_is_a_field_not_parsed_from_the_role() -> None:
+    import pickle
+
+    died = PeerDiedError("reader rank 1 died", pid=7, role="reader 1", reader_rank=1)
+    again = pickle.loads(pickle.dumps(died))
+    assert (again.reader_rank, again.pid, again.role) == (1, 7, "reader 1")
+    assert verdict.closing_rank(again, start_rank=4) == 5
+    writer = PeerDiedError("the writer died", pid=7, role="writer")
+    assert verdict.closing_rank(writer, start_rank=4) is None
+    assert verdict.closing_rank(QueueClosedError("shut down"), start_rank=0) is None

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 from mpexec.config import ExecutorConfig
-from mpexec.errors import PeerDiedError, QueueClosedError, WorkerDiedError, WorkerError
+from mpexec.errors import QueueClosedError, WorkerDiedError, WorkerError
 
 
 class Verdicts(Protocol):
@@ -79,11 +79,9 @@ def first_gone(handles: Sequence[H], wait_s: float) -> H | None:
 
 
 def closing_rank(exc: QueueClosedError, start_rank: int) -> int | None:
-    """The global rank whose end of a queue closed, when ``exc`` says: a local
-    reader that died (``PeerDiedError``, role ``"reader <r>"``) or a remote
-    reader's CLOSE (``reader_rank``); else None."""
-    if isinstance(exc, PeerDiedError) and exc.role.startswith("reader "):
-        return start_rank + int(exc.role.split()[1])
+    """The global rank whose end of a queue closed, when ``exc`` says
+    (``reader_rank``: a local reader that died, a ``PeerDiedError``, or a
+    remote reader's CLOSE); else None."""
     if exc.reader_rank is not None:
         return start_rank + exc.reader_rank
     return None

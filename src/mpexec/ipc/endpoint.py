@@ -188,7 +188,7 @@ class RingEnd:
         pid = int(self.cells[geometry.reader_cell(reader, layout.PID)])
         if state == layout.STATE_ATTACHED and not self.peer(pid).alive():
             raise PeerDiedError(f"queue {self.name!r}: reader rank {rank} (process {pid}) died",
-                                pid=pid, role=f"reader {rank}")
+                                pid=pid, role=f"reader {rank}", reader_rank=rank)
 
     def check_all_readers(self) -> None:
         for reader in range(self.layout.n_readers):
