@@ -61,8 +61,6 @@ def check_layout(tp: int, pp: int, nnodes: int = 1, device: str = "auto",
 def add_run_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
                       temperature: float, unit: str) -> None:
     """Sampling, executor and model options that ``generate`` and ``chat`` share."""
-    from mpexec.cli import _positive_int
-
     parser.add_argument("--max-tokens", type=int, default=max_tokens,
                         help=f"tokens per {unit} ({max_tokens})")
     parser.add_argument("--temperature", type=float, default=temperature,
@@ -74,6 +72,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, max_tokens: int,
                         help="executor: worker processes (mp) or in this process (uni)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule step N+1 while step N runs")
+    add_model_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the checkpoint is loaded: context length, dtype, quantised weights."""
+    from mpexec.cli import _positive_int
+
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",

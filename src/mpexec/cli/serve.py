@@ -22,7 +22,7 @@ from mpexec.cli import UsageError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mpexec.cli import _positive_int
-    from mpexec.cli.common import add_engine_arguments
+    from mpexec.cli.common import add_engine_arguments, add_model_arguments
 
     parser.add_argument("model", nargs="?", default="default",
                         help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
@@ -38,17 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (else MPEXEC_API_KEY)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the model name(s) clients use (default: MODEL)")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="context length (default: the checkpoint's)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="requests in the running batch at most (64)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--quantization", default="none", choices=("auto", "none"),
-                        help="quantised GGUF weights: dequantised to --dtype at load "
-                        "(none, the default: tokens equal to transformers) or kept packed "
-                        "on CPU (auto: faster decode, bfloat16 activations in the "
-                        "matmuls, so a near-tied greedy choice may differ)")
+    add_model_arguments(parser)
     parser.add_argument("--executor-backend", "--backend", dest="backend",
                         choices=("mp", "uni", "ray"), default="mp",
                         help="worker processes (mp), in this process (uni), Ray actors (ray)")
