@@ -46,7 +46,6 @@ import argparse
 import os
 import random
 import secrets
-import socket
 import statistics
 import sys
 import threading
@@ -57,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from harness import percentile, render  # noqa: E402
+from harness import free_ports, percentile, render  # noqa: E402
 
 from mpexec.engine.llm import LLM  # noqa: E402
 from mpexec.outputs import SamplingParams  # noqa: E402
@@ -164,20 +163,6 @@ def _kv_caches(blocks: int, count: int = 2) -> list[Any]:
     return caches
 
 
-def _free_port(count: int) -> int:
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-
-
 class _Request:
     def __init__(self, hashes: list[bytes]) -> None:
         self.req_id = secrets.token_hex(4)
@@ -200,7 +185,7 @@ def peer_transfer(args: argparse.Namespace, transport: str) -> dict[str, float]:
 
     blocks = -(-args.prefix_len // 16)
     caches = _kv_caches(blocks)
-    extra = {"endpoint": f"tcp://127.0.0.1:{_free_port(2)}", "secret": secrets.token_hex(16),
+    extra = {"endpoint": f"tcp://127.0.0.1:{free_ports(2)}", "secret": secrets.token_hex(16),
              "transport": transport, "num_slots": 2 * blocks, "timeout_s": 60.0}
     producer = KVTransferConfig("PeerKVConnector", "kv_producer", extra, block_size=16)
     consumer = KVTransferConfig("PeerKVConnector", "kv_consumer", extra, block_size=16)
@@ -252,7 +237,7 @@ def raw_zmq(nbytes: int, repeats: int) -> float:
     """Median seconds for pyzmq to bring ``nbytes`` from a ROUTER thread to a DEALER."""
     import zmq
 
-    port = _free_port(1)
+    port = free_ports(1)
     payload = bytearray(os.urandom(1 << 20)) * (nbytes >> 20) + bytearray(nbytes % (1 << 20))
     context = zmq.Context()
     router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
@@ -329,7 +314,7 @@ def mixed_load(args: argparse.Namespace, rng: random.Random,
     with make(args) as llm:
         ttft(llm, tokens(rng, 64))
         colocated = _decode_gaps(llm, decoders, longs, args)
-    extra = {"endpoint": f"tcp://127.0.0.1:{_free_port(2)}", "secret": secrets.token_hex(16),
+    extra = {"endpoint": f"tcp://127.0.0.1:{free_ports(2)}", "secret": secrets.token_hex(16),
              "num_slots": 4 * -(-args.long_len // 16)}
     with make(args, kv_transfer_config={"kv_connector": "PeerKVConnector",
                                         "kv_role": "kv_consumer",

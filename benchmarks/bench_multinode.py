@@ -44,7 +44,7 @@ sys.path.insert(0, SRC)
 
 import numpy  # noqa: E402
 import zmq  # noqa: E402
-from harness import percentile, render  # noqa: E402
+from harness import free_ports, percentile, render  # noqa: E402
 
 from mpexec.config import ExecutorConfig, ParallelConfig  # noqa: E402
 from mpexec.errors import WorkerDiedError  # noqa: E402
@@ -163,14 +163,6 @@ def remote_queues(iters: int, big: bool = False, cpu: list[float] | None = None,
     return samples[1:]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def start_follower(port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET,
            "PYTHONPATH": os.pathsep.join([str(ROOT), SRC])}
@@ -207,7 +199,7 @@ def bench_round_trip(iters: int) -> None:
         shm = rpc_samples(single, iters)
     finally:
         single.shutdown()
-    port = free_port()
+    port = free_ports()
     follower = start_follower(port)
     try:
         multi = MultiprocExecutor(two_node_config(port))
@@ -278,7 +270,7 @@ def bench_follower_kill(reps: int) -> None:
     samples = []
     phase = random.Random(0)
     for _ in range(reps):
-        port = free_port()
+        port = free_ports()
         follower = start_follower(port)
         executor = MultiprocExecutor(two_node_config(port))
         try:
@@ -321,7 +313,7 @@ def bench_leader_kill(reps: int) -> None:
                                      bench=str(ROOT / "benchmarks")))
     try:
         for _ in range(reps):
-            port = free_port()
+            port = free_ports()
             follower = start_follower(port)
             leader = subprocess.Popen([sys.executable, str(script), str(port)],
                                       start_new_session=True, stdout=subprocess.PIPE,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,18 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import percentile, render  # noqa: E402
+from harness import free_ports, percentile, render  # noqa: E402
 
 from mpexec.system.procs import proc_stat  # noqa: E402
 
 SECRET = "bench-cluster-secret-0123456789ab"
 PROMPT = "the quick brown fox jumps over"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def child_env(node_id: str | None) -> dict[str, str]:
@@ -118,7 +111,7 @@ def decode_row(model: str, label: str, tp: int, pp: int, nodes: int, node_id: st
             with make_llm(model, tp, pp) as llm:
                 samples.append(per_token_s(llm, tokens))
             continue
-        port = free_port()
+        port = free_ports()
         follower = start_follower(port, node_id and f"{node_id}-follower")
         if node_id is None:
             os.environ.pop("MPEXEC_NODE_ID", None)
@@ -141,7 +134,7 @@ def bench_follower_kill(model: str, reps: int) -> list[float]:
 
     samples = []
     for _ in range(reps):
-        port = free_port()
+        port = free_ports()
         follower = start_follower(port, "kill-follower")
         os.environ["MPEXEC_NODE_ID"] = "kill-leader"
         try:
@@ -184,7 +177,7 @@ if __name__ == "__main__":
 def bench_leader_kill(model: str, reps: int) -> list[float]:
     samples = []
     for _ in range(reps):
-        port = free_port()
+        port = free_ports()
         follower = start_follower(port, "kill-follower")
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "leader.py"

@@ -8,7 +8,7 @@ scripts import them as ``from harness import percentile, summary, render``
 
 from harness.fleet import BenchError, Fleet
 from harness.leftovers import children_left, dev_shm, own_memfds
-from harness.machine import cpu_s_of, descendant_pids, machine_info, proc_cpu_s
+from harness.machine import cpu_s_of, descendant_pids, free_ports, machine_info, proc_cpu_s
 from harness.placement import PLACEMENTS, pin, place
 from harness.stats import percentile, summary
 from harness.table import render, yes_no
@@ -21,6 +21,7 @@ __all__ = [
     "cpu_s_of",
     "descendant_pids",
     "dev_shm",
+    "free_ports",
     "machine_info",
     "own_memfds",
     "percentile",

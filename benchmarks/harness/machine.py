@@ -80,3 +80,22 @@ def machine_info() -> dict[str, Any]:
     except Exception as err:
         info["deps"] = repr(err)
     return info
+
+
+def free_ports(count: int = 1, attempts: int = 50) -> int:
+    """A port ``p`` such that ``p .. p + count - 1`` are free on loopback right now
+    (another process may take them before they are bound: fine for a benchmark)."""
+    import socket
+
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no run of {count} free loopback ports in {attempts} attempts")
