@@ -60,6 +60,10 @@ from mpexec.outputs import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# A failed replica's shutdown is bounded by its executor's grace and term
+# steps; the rebuild waits at most this long for it.
+_TEARDOWN_WAIT_S = 60.0
+
 
 @dataclass
 class FailoverStats:
@@ -108,6 +112,7 @@ class DataParallelEngine:
         self._rebuilding: dict[tuple[int, ...], threading.Thread] = {}
         self._failed_at: dict[tuple[int, ...], float] = {}
         self._attempts: dict[tuple[int, ...], int] = {}
+        self._teardowns: dict[int, threading.Thread] = {}  # DP rank -> its shutdown
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=len(replicas),
                                         thread_name_prefix="mpexec-dp-step")
@@ -301,8 +306,10 @@ class DataParallelEngine:
         with self._lock:
             self._orphans.extend(moved)
         for rank, engine, _ in down:
-            threading.Thread(target=engine.shutdown, name=f"mpexec-dp{rank}-teardown",
-                             daemon=True).start()
+            teardown = threading.Thread(target=engine.shutdown, daemon=True,
+                                        name=f"mpexec-dp{rank}-teardown")
+            self._teardowns[rank] = teardown
+            teardown.start()
         for unit in sorted(units):
             self._failed_at[unit] = now
             self.failover.timeline.append((now, unit, "failed"))
@@ -348,6 +355,12 @@ class DataParallelEngine:
         name = _ranks(unit)
         if self._closed.wait(delay):
             return
+        # What the old replica held (its processes, its node channel's port)
+        # is released before the new one asks for it again.
+        for rank in unit:
+            teardown = self._teardowns.get(rank)
+            if teardown is not None:
+                teardown.join(_TEARDOWN_WAIT_S)
         self.failover.timeline.append((time.monotonic(), unit, "rebuilding"))
         try:
             engines = self.factory(list(unit))
