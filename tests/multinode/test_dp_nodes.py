@@ -231,3 +231,77 @@ def assert_rejoins(llm: Any, timeout_s: float = 90.0) -> None:
     while llm.engine.failover.restarts < 1:
         assert time.monotonic() < deadline, llm.engine.failover.events
         time.sleep(0.1)
+
+
+# -- a replica across two nodes; experts across the replicas' nodes --------------------
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_each_replica_spans_two_nodes(tiny_checkpoint: Path,
+                                      one_replica_tokens: list[list[int]],
+                                      leader_node_id: None) -> None:
+    """DP=2 x TP=2 over 4 nodes: replica 0 on nodes 0-1 (here and a follower),
+    replica 1 on nodes 2-3 (both followers, at master_port + 1); each TP
+    all-reduce crosses two nodes through gloo."""
+    port = free_port()
+    followers = [start_node(port, 1, 4, "follower-1"), start_node(port + 1, 2, 4, "follower-2"),
+                 start_node(port + 1, 3, 4, "follower-3")]
+    try:
+        with make_llm(tiny_checkpoint, data_parallel_size=2, tensor_parallel_size=2, nnodes=4,
+                      master_port=port, cluster_secret=SECRET) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == \
+                one_replica_tokens
+            at = [e.executor.collective_rpc(where, timeout=30) for e in llm.engine.replicas]
+        assert [f.wait(30) for f in followers] == [0, 0, 0]
+    finally:
+        for proc in followers:
+            reap(proc)
+    assert [[a["node"] for a in replica] for replica in at] == [
+        ["node-id/leader", "node-id/follower-1"], ["node-id/follower-2", "node-id/follower-3"]]
+    assert [[a["title"] for a in replica] for replica in at] == [
+        ["mpexec::Worker_DP0_TP0", "mpexec::Worker_DP0_TP1"],
+        ["mpexec::Worker_DP1_TP0", "mpexec::Worker_DP1_TP1"]]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mixtral (5 experts, top-2) with the tiny checkpoint's tokenizer."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from tests.models.test_moe import save_random_moe
+
+    path = save_random_moe(tmp_path_factory.mktemp("moe-dp-nodes"), "mixtral", vocab_size=389)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint / name, path / name)
+    return path
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_experts_across_the_nodes_of_two_replicas(moe_checkpoint: Path,
+                                                  leader_node_id: None) -> None:
+    """DP=2 x EP over two nodes: the replicas join one world, so each worker's
+    DP group holds both nodes' ranks; experts 3 + 2 across them, the
+    all-to-all through gloo, replicas in lockstep; tokens as one replica's."""
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 250, 9][: 3 + i % 3]}
+               for i in range(5)]
+    params = [greedy(2 + 3 * i) for i in range(5)]  # uneven: an idle replica runs dummies
+    with make_llm(moe_checkpoint) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    port = free_port()
+    follower = start_node(port + 1, 1, 2, "follower-1")
+    try:
+        with make_llm(moe_checkpoint, data_parallel_size=2, enable_expert_parallel=True,
+                      nnodes=2, master_port=port, cluster_secret=SECRET) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == want
+            assert llm.engine.lockstep and llm.engine.dummy_steps > 0
+            at = [e.executor.collective_rpc(where, timeout=30) for e in llm.engine.replicas]
+        assert follower.wait(30) == 0
+    finally:
+        reap(follower)
+    assert [a["node"] for [a] in at] == ["node-id/leader", "node-id/follower-1"]
+    assert [a["dp"] for [a] in at] == [(0, 2, [0, 1]), (1, 2, [0, 1])]
+    assert [a["title"] for [a] in at] == ["mpexec::Worker_DP0_EP0", "mpexec::Worker_DP1_EP1"]
