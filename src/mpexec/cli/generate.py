@@ -110,7 +110,7 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
             "data parallel replica)"
         raise UsageError(f"--nnodes {nnodes} needs --master-port: the port on {addr} the "
                          f"followers {dials}")
-    if nnodes >= dp and nnodes % dp or nnodes < dp and dp % nnodes:
+    if (nnodes >= dp and nnodes % dp) or (nnodes < dp and dp % nnodes):
         raise UsageError(f"--nnodes {nnodes} and --data-parallel-size {dp}: one must be a "
                          "multiple of the other (a replica spans whole nodes, or a node runs "
                          "whole replicas)")
