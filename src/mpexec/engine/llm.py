@@ -29,7 +29,13 @@ the leader (node 0; the cluster secret from ``cluster_secret=`` or
 ``MPEXEC_CLUSTER_SECRET``) waits for ``mpexec node`` on every other node;
 those run the remaining ranks and open the checkpoint at the same path (or
 fetch "default" themselves).  Everything else - tokenizer, scheduler, KV
-cache sizing - runs on the leader as on one node.
+cache sizing - runs on the leader as on one node.  With
+``data_parallel_size=N`` as well, every replica's engine runs here: one
+executor per replica, over the nodes of that replica (``nnodes / N`` of
+them, or one node shared by ``N / nnodes`` replicas); a replica with no
+rank on node 0 is driven from here by an executor with no local worker
+(``ParallelConfig.remote_replica``), and its nodes dial ``master_port + its
+DP rank``.
 """
 
 from __future__ import annotations
@@ -137,6 +143,9 @@ class LLM:
                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
         dp = data_parallel_size
+        if nnodes > 1 and not master_port:
+            raise ValueError("nnodes > 1 needs master_port: the port follower nodes dial "
+                             "(each data parallel replica's nodes: master_port + its rank)")
         if dp > 1 and kv_transfer_config is not None:
             raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported")
         ep_across = enable_expert_parallel and dp > 1
