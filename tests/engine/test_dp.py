@@ -162,6 +162,9 @@ def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
         LLM("default", data_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match=r"nnodes \(3\) must be a multiple of data_parallel"):
         LLM("default", data_parallel_size=2, nnodes=3, master_port=29500)
+    with pytest.raises(ValueError, match="replicas on other nodes need executor_backend 'mp'"):
+        LLM("default", data_parallel_size=2, nnodes=2, master_port=29500,
+            executor_backend="ray")
 
 
 def test_asyncio_engine_over_two_replicas() -> None:

@@ -22,8 +22,9 @@ failed), its unfinished requests are taken back before the engine aborts
 them, reset as a preempted request is (blocks and computed tokens
 forgotten, the tokens generated so far kept) and queued on the least-loaded
 surviving replica, which recomputes their prefix and continues; the dead
-replica is shut down and rebuilt by the factory in a background thread at
-once, and when that fails again after a backoff (``backoff_s``, doubling,
+replica is shut down and, once that is done (its processes and ports
+released), rebuilt by the factory in a background thread, and when that
+fails again after a backoff (``backoff_s``, doubling,
 up to ``max_restarts`` in a row).  With no live replica the requests wait for the rebuilt one.  The
 unit that fails and restarts is one replica, or with lockstep every replica
 (they share one expert-parallel world: a rank cannot rejoin alone, so the
@@ -32,7 +33,9 @@ again).  ``stats`` counts failures, restarts and re-queued requests, and
 ``failover.timeline`` stamps each phase; every event is logged.  Without
 failover the first failure is the caller's error, as with one engine (with
 lockstep the failure of the rank that died or hung, not its peers' broken
-collectives).
+collectives).  A replica may live on other nodes (its executor here has no
+local worker); what rebuilding it means is the factory's: for ``LLM``, a
+new executor that waits for the lost node to join again.
 
 Lockstep (``lockstep=True``, experts split across the replicas): every MoE
 layer's collectives span all replicas, so each step runs one forward on

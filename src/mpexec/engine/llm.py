@@ -166,6 +166,9 @@ class LLM:
         # One parallel config per data parallel replica: a replica none of whose
         # nodes is this one (node 0) is driven from here with no local worker.
         replica_parallel = [_replica_parallel(parallel, rank) for rank in range(dp)]
+        if any(p.remote_replica for p in replica_parallel) and executor_backend != "mp":
+            raise ValueError("data parallel replicas on other nodes need executor_backend "
+                             f"'mp' (its follower nodes); got {executor_backend!r}")
         world = sum(p.local_world_size for p in replica_parallel)  # the workers of this node
         cpus = usable_cpus()
         if device_type == "cpu" and worker_cls == MODEL_WORKER and world > cpus:
