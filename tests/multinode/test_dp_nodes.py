@@ -264,6 +264,31 @@ def test_each_replica_spans_two_nodes(tiny_checkpoint: Path,
         ["mpexec::Worker_DP1_TP0", "mpexec::Worker_DP1_TP1"]]
 
 
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replicas_per_node(tiny_checkpoint: Path, one_replica_tokens: list[list[int]],
+                               leader_node_id: None) -> None:
+    """DP=4 over 2 nodes: replicas 0-1 here, 2-3 on node 1, which runs one
+    ``mpexec node`` per replica (at master_port + 2 and + 3)."""
+    port = free_port()
+    followers = [start_node(port + 2, 1, 2, "follower-1"),
+                 start_node(port + 3, 1, 2, "follower-1", cli=True)]
+    try:
+        with make_llm(tiny_checkpoint, data_parallel_size=4, nnodes=2, master_port=port,
+                      cluster_secret=SECRET) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == \
+                one_replica_tokens
+            at = [e.executor.collective_rpc(where, timeout=30) for e in llm.engine.replicas]
+            assert all(e.stats.steps > 0 for e in llm.engine.replicas)  # each took one
+        assert [f.wait(30) for f in followers] == [0, 0]
+    finally:
+        for proc in followers:
+            reap(proc)
+    assert [a["node"] for [a] in at] == ["node-id/leader"] * 2 + ["node-id/follower-1"] * 2
+    assert [a["title"] for [a] in at] == [f"mpexec::Worker_DP{d}" for d in range(4)]
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Mixtral (5 experts, top-2) with the tiny checkpoint's tokenizer."""
