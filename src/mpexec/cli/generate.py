@@ -116,9 +116,11 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
                          "whole replicas)")
     per_replica = max(1, nnodes // dp)  # the nodes one replica spans
     if (tp * pp) % per_replica:
+        over = f"--nnodes {nnodes}" if dp == 1 else (
+            f"the {per_replica} nodes of a replica (--nnodes {nnodes} / "
+            f"--data-parallel-size {dp})")
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers do not split evenly "
-                         f"over the {per_replica} nodes of a replica (--nnodes {nnodes} / "
-                         f"--data-parallel-size {dp})")
+                         f"over {over}")
     secret = read_secret(getattr(args, "secret_file", None))
     if not secret:
         raise UsageError("several nodes need a cluster secret, the same on every node: set "
