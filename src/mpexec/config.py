@@ -107,6 +107,14 @@ class ParallelConfig:
     ``pp_rank = r // (TP * PCP) % PP``.  Decode context parallelism splits
     each TP group, so ``decode_context_parallel_size`` must divide
     ``tensor_parallel_size``.
+
+    Several nodes: ``node_rank`` is the node this process runs on and
+    ``data_parallel_rank`` the replica its executor drives; they must name
+    the same place (``replica_nodes``).  The one exception is
+    ``remote_replica``: the data parallel front end on node 0 drives a
+    replica that lives wholly on follower nodes (node_rank 0, no local
+    worker).  Each replica's follower nodes dial its node channel at
+    ``node_port`` (``master_port + data_parallel_rank``).
     """
 
     tensor_parallel_size: int = 1
@@ -122,6 +130,10 @@ class ParallelConfig:
     master_port: int = 0
     # The torch.distributed backend the workers build their groups with.
     backend: str = "gloo"
+    # Set by the data parallel front end on node 0 for a replica none of whose
+    # ranks are on node 0: its executor starts no worker here and admits every
+    # node of the replica as a follower.
+    remote_replica: bool = False
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -136,6 +148,7 @@ class ParallelConfig:
         _require_int("data_parallel_rank", self.data_parallel_rank, 0)
         _require_int("node_rank", self.node_rank, 0)
         _require_bool("enable_expert_parallel", self.enable_expert_parallel)
+        _require_bool("remote_replica", self.remote_replica)
         _require_str("master_addr", self.master_addr)
         _require_int("master_port", self.master_port, 0, 65535)
         _require_str("backend", self.backend)
@@ -164,10 +177,22 @@ class ParallelConfig:
                 f"data_parallel_size ({dp}) must be a multiple of nnodes ({nodes}) "
                 "when several data parallel ranks share a node"
             )
+        if self.nnodes > 1 and self.master_port and \
+                self.master_port + dp - 1 > 65535:
+            raise ValueError(f"master_port ({self.master_port}) + data_parallel_size ({dp}) "
+                             "- 1 must be a port: each replica's nodes dial master_port + "
+                             "its data parallel rank")
+        if self.remote_replica:
+            if nodes == 1 or self.node_rank != 0 or 0 in self.replica_nodes:
+                raise ValueError(
+                    f"remote_replica drives, from node 0, a data parallel replica wholly on "
+                    f"follower nodes; data_parallel_rank {self.data_parallel_rank} lives on "
+                    f"node(s) {list(self.replica_nodes)} of nnodes={nodes} and this is "
+                    f"node_rank {self.node_rank}")
         # The node and the data parallel rank name the same place: a replica
         # spanning nodes lives on the nodes of its block; several replicas on
         # one node are that node's block of DP ranks.
-        if nodes >= dp:
+        elif nodes >= dp:
             replica = self.node_rank // (nodes // dp)
             where = (f"node_rank {self.node_rank} belongs to data parallel rank {replica} "
                      f"({nodes // dp} nodes per replica)")
@@ -209,8 +234,37 @@ class ParallelConfig:
 
     @property
     def local_world_size(self) -> int:
-        """Workers this node runs for its data parallel rank."""
-        return self.world_size // self.nnodes_within_dp
+        """Workers this node runs for its data parallel rank (none for a
+        ``remote_replica``)."""
+        return 0 if self.remote_replica else self.world_size // self.nnodes_within_dp
+
+    @property
+    def replica_nodes(self) -> range:
+        """The nodes data parallel rank ``data_parallel_rank`` runs on: its block
+        of ``nnodes_within_dp`` nodes, or the one node it shares with others."""
+        dp, nodes = self.data_parallel_size, self.nnodes
+        if nodes >= dp:
+            first = self.data_parallel_rank * self.nnodes_within_dp
+            return range(first, first + self.nnodes_within_dp)
+        node = self.data_parallel_rank // (dp // nodes)
+        return range(node, node + 1)
+
+    @property
+    def follower_nodes(self) -> range:
+        """The nodes whose workers this executor admits as followers (on node 0
+        of its replica, or on node 0 for a ``remote_replica``): the replica's
+        nodes other than this one."""
+        nodes = self.replica_nodes
+        if self.remote_replica:
+            return nodes
+        if self.node_rank != nodes.start:
+            return range(0)  # a follower node: its executor lives elsewhere
+        return range(nodes.start + 1, nodes.stop)
+
+    @property
+    def node_port(self) -> int:
+        """Where this replica's follower nodes dial its node channel."""
+        return self.master_port + self.data_parallel_rank if self.master_port else 0
 
 
 @dataclass

@@ -156,8 +156,15 @@ def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="steps the replicas in lockstep: it needs"):
         LLM("default", data_parallel_size=2, enable_expert_parallel=True,
             async_scheduling=True)
-    with pytest.raises(ValueError, match="across nodes are not supported"):
+    # Replicas across nodes (tests/multinode/test_dp_nodes.py) need the port
+    # their nodes dial, and a layout where nodes and replicas divide evenly.
+    with pytest.raises(ValueError, match="needs master_port"):
         LLM("default", data_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match=r"nnodes \(3\) must be a multiple of data_parallel"):
+        LLM("default", data_parallel_size=2, nnodes=3, master_port=29500)
+    with pytest.raises(ValueError, match="replicas on other nodes need executor_backend 'mp'"):
+        LLM("default", data_parallel_size=2, nnodes=2, master_port=29500,
+            executor_backend="ray")
 
 
 def test_asyncio_engine_over_two_replicas() -> None:

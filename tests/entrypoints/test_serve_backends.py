@@ -134,6 +134,38 @@ def test_serve_across_two_nodes(tiny_checkpoint: Path) -> None:
         reap(follower)
 
 
+def test_serve_with_a_data_parallel_replica_on_another_node(tiny_checkpoint: Path) -> None:
+    """``serve -dp 2 --nnodes 2``: replica 1's worker lives on the follower,
+    which dials master_port + 1; the answers are one replica's."""
+    from tests.multinode.nodes import SECRET, free_port, reap, start_follower
+
+    expected = offline_greedy(tiny_checkpoint)
+    master_port = free_port()
+    follower = start_follower(master_port + 1, cli=True)
+    try:
+        with ServerProcess(str(tiny_checkpoint), "--served-model-name", "tiny", "-dp", "2",
+                           "--nnodes", "2", "--node-rank", "0", "--master-port",
+                           str(master_port), "--shutdown-grace", "2",
+                           env={"MPEXEC_CLUSTER_SECRET": SECRET}) as server:
+            server.wait_ready()
+            check_server_answers(server, expected)
+            leader_tree = descendants(server.proc.pid)
+            follower_tree = descendants(follower.pid)
+            def workers(pids: set[int]) -> list[bytes]:
+                return sorted(t.split(b"\0")[0] for t in map(_cmdline, pids)
+                              if t.startswith(b"mpexec::Worker"))
+
+            # replica 1's worker on the follower, replica 0's here
+            assert workers(follower_tree) == [b"mpexec::Worker_DP1"], server.log()
+            assert workers(leader_tree) == [b"mpexec::Worker_DP0"], server.log()
+            assert server.stop() == 0, server.log()
+            assert follower.wait(GONE_TIMEOUT_S) == 0
+            assert not wait_gone(leader_tree | follower_tree), server.log()
+            assert "Traceback" not in server.log()
+    finally:
+        reap(follower)
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

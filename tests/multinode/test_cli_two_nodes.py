@@ -99,3 +99,31 @@ def test_a_follower_that_never_comes_is_named_with_the_command_to_run(
     assert (f"mpexec node --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 "
             f"--master-port {port}") in last
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(240)
+def test_generate_with_a_data_parallel_replica_on_the_follower(tiny_checkpoint: Path) -> None:
+    """``generate -dp 2 --nnodes 2``: replica 1 lives on node 1, whose ``mpexec
+    node`` dials master_port + 1; the outputs are one replica's."""
+    code, out, err = finish(mpexec(*generate_args(tiny_checkpoint, "--backend", "uni", tp=1)), 120)
+    assert code == 0, err
+    one_replica = rows(out)
+    port = free_port()
+    follower = mpexec(*follower_args(port + 1))
+    leader = mpexec(*generate_args(tiny_checkpoint, "--nnodes", "2", "--master-port", str(port),
+                                   "--data-parallel-size", "2", tp=1))
+    code, out, err = finish(leader, 120)
+    f_code, _f_out, f_err = finish(follower, 30)
+    assert code == 0, err + f_err
+    assert f_code == 0, f_err
+    assert [(r["prompt"], r["token_ids"]) for r in rows(out)] == \
+        [(r["prompt"], r["token_ids"]) for r in one_replica]
+
+
+def test_a_follower_rank_is_told_the_port_of_its_replica(tiny_checkpoint: Path) -> None:
+    proc = mpexec(*generate_args(tiny_checkpoint, "--nnodes", "4", "--node-rank", "3",
+                                 "--master-port", "7000", "-dp", "2", tp=2))
+    code, _out, err = finish(proc, 60)
+    assert code == 2, err
+    assert "mpexec node --nnodes 4 --node-rank 3 --master-addr 127.0.0.1 --master-port 7001" \
+        in err, err

@@ -160,11 +160,25 @@ def read_secret(secret_file: Path | None) -> str | None:
 
 
 def follower_command(nnodes: int, node_rank: int | str, master_addr: str,
-                     master_port: int | str) -> str:
-    """What to run on follower ``node_rank`` of a leader at ``master_addr:master_port``."""
-    return (f"MPEXEC_CLUSTER_SECRET=... mpexec node --nnodes {nnodes} "
-            f"--node-rank {node_rank} --master-addr {master_addr} "
-            f"--master-port {master_port}")
+                     master_port: int | None, dp: int = 1) -> str:
+    """What to run on follower ``node_rank`` of a leader at ``master_addr:master_port``.
+
+    With ``dp`` data parallel replicas each replica's nodes dial ``master_port
+    + its DP rank``; a node that runs several replicas runs one ``mpexec node``
+    per replica.
+    """
+    head = f"MPEXEC_CLUSTER_SECRET=... mpexec node --nnodes {nnodes} --node-rank {node_rank} " \
+        f"--master-addr {master_addr} --master-port"
+    if master_port is None:
+        return f"{head} PORT" + ("" if dp == 1 else " (+ its data parallel rank)")
+    if not isinstance(node_rank, int) or dp == 1:
+        return f"{head} {master_port}" + (
+            "" if dp == 1 else " (+ the node's data parallel rank)")
+    if nnodes >= dp:
+        return f"{head} {master_port + node_rank // (nnodes // dp)}"
+    per_node = dp // nnodes
+    first = master_port + node_rank * per_node
+    return " ; ".join(f"{head} {port}" for port in range(first, first + per_node))
 
 
 def require_torch(command: str) -> None:

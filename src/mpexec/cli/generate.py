@@ -96,20 +96,31 @@ def node_options(args: argparse.Namespace, tp: int, pp: int) -> dict[str, Any]:
     port = getattr(args, "master_port", None)
     if not 0 <= rank < nnodes:
         raise UsageError(f"--node-rank {rank} must be in [0, --nnodes {nnodes})")
+    dp = getattr(args, "data_parallel_size", 1)
     if rank > 0:
         raise UsageError(
-            f"node {rank} is a follower; `mpexec generate` runs on the leader (node 0) only. "
-            f"On this node run: {follower_command(nnodes, rank, addr, port or 'PORT')}")
+            f"node {rank} is a follower; `mpexec {args.command}` runs on the leader (node 0) "
+            f"only. On this node run: {follower_command(nnodes, rank, addr, port, dp)}")
     if nnodes == 1:
         return {}
     if args.backend != "mp":
         raise UsageError("--nnodes > 1 needs --backend mp")
-    if port is None or not 0 < port < 65536:
-        raise UsageError(f"--nnodes {nnodes} needs --master-port: the port (1-65535) on "
-                         f"{addr} the followers dial")
-    if (tp * pp) % nnodes:
+    if port is None or not 0 < port <= 65536 - dp:
+        dials = "dial" if dp == 1 else f"dial (and the {dp - 1} port(s) above it, one per " \
+            "data parallel replica)"
+        raise UsageError(f"--nnodes {nnodes} needs --master-port: the port on {addr} the "
+                         f"followers {dials}")
+    if (nnodes >= dp and nnodes % dp) or (nnodes < dp and dp % nnodes):
+        raise UsageError(f"--nnodes {nnodes} and --data-parallel-size {dp}: one must be a "
+                         "multiple of the other (a replica spans whole nodes, or a node runs "
+                         "whole replicas)")
+    per_replica = max(1, nnodes // dp)  # the nodes one replica spans
+    if (tp * pp) % per_replica:
+        over = f"--nnodes {nnodes}" if dp == 1 else (
+            f"the {per_replica} nodes of a replica (--nnodes {nnodes} / "
+            f"--data-parallel-size {dp})")
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} workers do not split evenly "
-                         f"over --nnodes {nnodes}")
+                         f"over {over}")
     secret = read_secret(getattr(args, "secret_file", None))
     if not secret:
         raise UsageError("several nodes need a cluster secret, the same on every node: set "
@@ -168,9 +179,9 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
         if nnodes > 1 and "did not join" in str(exc):
             # The user's next step, on the one line the CLI prints.
             missing = re.findall(r"node (\d+) \(ranks", str(exc))
-            rank = missing[0] if len(missing) == 1 else "R"
+            rank: int | str = int(missing[0]) if len(missing) == 1 else "R"
             command = follower_command(nnodes, rank, nodes["master_addr"],
-                                       nodes["master_port"])
+                                       nodes["master_port"], dp)
             raise WorkerStartupError(f"{str(exc).splitlines()[0]}; on each missing node "
                                      f"run: {command}") from exc
         raise

@@ -2,7 +2,8 @@
 
 Everything about the executor (worker class and arguments, parallel layout,
 settings) comes from the leader over the authenticated node channel; the
-flags say only how to reach it.  The cluster secret comes from
+flags say only how to reach it: with data parallel replicas, each
+replica's nodes dial ``master_port + its data parallel rank``.  The cluster secret comes from
 ``--secret-file`` or ``MPEXEC_CLUSTER_SECRET`` (never a flag: command lines
 are visible to every user of the machine).
 
@@ -49,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this node's rank (1 .. nnodes-1; node 0 is the leader)")
     parser.add_argument("--master-addr", required=True, help="the leader's address")
     parser.add_argument("--master-port", type=_port, required=True,
-                        help="the leader's node channel port (its parallel.master_port)")
+                        help="the leader's node channel port: its parallel.master_port, "
+                        "plus this node's data parallel rank when the leader runs "
+                        "--data-parallel-size > 1 (a node running several replicas runs "
+                        "one `mpexec node` per replica)")
     parser.add_argument("--bind-addr", default=None,
                         help="where this node's reply queues listen (default: the leader's "
                         "node_bind_addr, loopback unless configured)")

@@ -23,6 +23,7 @@ from mpexec.cli import UsageError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mpexec.cli import _positive_int
     from mpexec.cli.common import add_engine_arguments, add_model_arguments
+    from mpexec.cli.generate import add_parallel_arguments
 
     parser.add_argument("model", nargs="?", default="default",
                         help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M)")
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="requests in the running batch at most (64)")
     add_model_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--executor-backend", "--backend", dest="backend",
                         choices=("mp", "uni", "ray"), default="mp",
                         help="worker processes (mp), in this process (uni), Ray actors (ray)")

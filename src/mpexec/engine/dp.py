@@ -22,8 +22,9 @@ failed), its unfinished requests are taken back before the engine aborts
 them, reset as a preempted request is (blocks and computed tokens
 forgotten, the tokens generated so far kept) and queued on the least-loaded
 surviving replica, which recomputes their prefix and continues; the dead
-replica is shut down and rebuilt by the factory in a background thread at
-once, and when that fails again after a backoff (``backoff_s``, doubling,
+replica is shut down and, once that is done (its processes and ports
+released), rebuilt by the factory in a background thread, and when that
+fails again after a backoff (``backoff_s``, doubling,
 up to ``max_restarts`` in a row).  With no live replica the requests wait for the rebuilt one.  The
 unit that fails and restarts is one replica, or with lockstep every replica
 (they share one expert-parallel world: a rank cannot rejoin alone, so the
@@ -32,7 +33,9 @@ again).  ``stats`` counts failures, restarts and re-queued requests, and
 ``failover.timeline`` stamps each phase; every event is logged.  Without
 failover the first failure is the caller's error, as with one engine (with
 lockstep the failure of the rank that died or hung, not its peers' broken
-collectives).
+collectives).  A replica may live on other nodes (its executor here has no
+local worker); what rebuilding it means is the factory's: for ``LLM``, a
+new executor that waits for the lost node to join again.
 
 Lockstep (``lockstep=True``, experts split across the replicas): every MoE
 layer's collectives span all replicas, so each step runs one forward on
@@ -59,6 +62,10 @@ from mpexec.errors import WorkerDiedError
 from mpexec.outputs import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# A failed replica's shutdown is bounded by its executor's grace and term
+# steps; the rebuild waits at most this long for it.
+_TEARDOWN_WAIT_S = 60.0
 
 
 @dataclass
@@ -108,6 +115,7 @@ class DataParallelEngine:
         self._rebuilding: dict[tuple[int, ...], threading.Thread] = {}
         self._failed_at: dict[tuple[int, ...], float] = {}
         self._attempts: dict[tuple[int, ...], int] = {}
+        self._teardowns: dict[int, threading.Thread] = {}  # DP rank -> its shutdown
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=len(replicas),
                                         thread_name_prefix="mpexec-dp-step")
@@ -301,8 +309,10 @@ class DataParallelEngine:
         with self._lock:
             self._orphans.extend(moved)
         for rank, engine, _ in down:
-            threading.Thread(target=engine.shutdown, name=f"mpexec-dp{rank}-teardown",
-                             daemon=True).start()
+            teardown = threading.Thread(target=engine.shutdown, daemon=True,
+                                        name=f"mpexec-dp{rank}-teardown")
+            self._teardowns[rank] = teardown
+            teardown.start()
         for unit in sorted(units):
             self._failed_at[unit] = now
             self.failover.timeline.append((now, unit, "failed"))
@@ -348,6 +358,12 @@ class DataParallelEngine:
         name = _ranks(unit)
         if self._closed.wait(delay):
             return
+        # What the old replica held (its processes, its node channel's port)
+        # is released before the new one asks for it again.
+        for rank in unit:
+            teardown = self._teardowns.get(rank)
+            if teardown is not None:
+                teardown.join(_TEARDOWN_WAIT_S)
         self.failover.timeline.append((time.monotonic(), unit, "rebuilding"))
         try:
             engines = self.factory(list(unit))

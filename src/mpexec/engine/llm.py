@@ -29,7 +29,13 @@ the leader (node 0; the cluster secret from ``cluster_secret=`` or
 ``MPEXEC_CLUSTER_SECRET``) waits for ``mpexec node`` on every other node;
 those run the remaining ranks and open the checkpoint at the same path (or
 fetch "default" themselves).  Everything else - tokenizer, scheduler, KV
-cache sizing - runs on the leader as on one node.
+cache sizing - runs on the leader as on one node.  With
+``data_parallel_size=N`` as well, every replica's engine runs here: one
+executor per replica, over the nodes of that replica (``nnodes / N`` of
+them, or one node shared by ``N / nnodes`` replicas); a replica with no
+rank on node 0 is driven from here by an executor with no local worker
+(``ParallelConfig.remote_replica``), and its nodes dial ``master_port + its
+DP rank``.
 """
 
 from __future__ import annotations
@@ -137,9 +143,9 @@ class LLM:
                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
         device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
         dp = data_parallel_size
-        if dp > 1 and nnodes > 1:
-            raise ValueError("data_parallel_size > 1 runs every replica on this node; "
-                             "data parallel replicas across nodes are not supported by LLM")
+        if nnodes > 1 and not master_port:
+            raise ValueError("nnodes > 1 needs master_port: the port follower nodes dial "
+                             "(each data parallel replica's nodes: master_port + its rank)")
         if dp > 1 and kv_transfer_config is not None:
             raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported")
         ep_across = enable_expert_parallel and dp > 1
@@ -157,7 +163,13 @@ class LLM:
                                   master_addr=master_addr, master_port=master_port,
                                   backend=distributed_backend_for(device_type,
                                                                   distributed_backend))
-        world = parallel.local_world_size * dp  # the workers of this node
+        # One parallel config per data parallel replica: a replica none of whose
+        # nodes is this one (node 0) is driven from here with no local worker.
+        replica_parallel = [_replica_parallel(parallel, rank) for rank in range(dp)]
+        if any(p.remote_replica for p in replica_parallel) and executor_backend != "mp":
+            raise ValueError("data parallel replicas on other nodes need executor_backend "
+                             f"'mp' (its follower nodes); got {executor_backend!r}")
+        world = sum(p.local_world_size for p in replica_parallel)  # the workers of this node
         cpus = usable_cpus()
         if device_type == "cpu" and worker_cls == MODEL_WORKER and world > cpus:
             # Any layout runs (slowly) on any machine: share the CPUs, one
@@ -221,9 +233,7 @@ class LLM:
         # The workers start first: the driver has no threads yet, so they can be
         # forked; opening the checkpoint (tokenizer libraries start threads)
         # comes after.  One executor per data parallel replica.
-        replica_configs = [dataclasses.replace(
-            config_obj, parallel=dataclasses.replace(parallel, data_parallel_rank=rank))
-            for rank in range(dp)]
+        replica_configs = [_replica_config(config_obj, p) for p in replica_parallel]
         executors: list[Executor] = []
         try:
             for replica_config in replica_configs:
@@ -664,6 +674,26 @@ def _check_devices(workers: int, device_type: str, is_model_worker: bool) -> Non
             raise ValueError(f"data_parallel_size x tensor_parallel_size x "
                              f"pipeline_parallel_size = {workers} workers on this node, but it "
                              f"has {gpus} CUDA devices: one worker needs one device")
+
+
+def _replica_parallel(parallel: ParallelConfig, rank: int) -> ParallelConfig:
+    """Data parallel rank ``rank``'s parallel config, as this node (0) drives it."""
+    dp, nodes = parallel.data_parallel_size, parallel.nnodes
+    first_node = rank * parallel.nnodes_within_dp if nodes >= dp else rank // (dp // nodes)
+    return dataclasses.replace(parallel, data_parallel_rank=rank,
+                               remote_replica=first_node != 0)
+
+
+def _replica_config(config: ExecutorConfig, parallel: ParallelConfig) -> ExecutorConfig:
+    """``config`` for one replica; a remote one keeps no per-local-worker lists
+    (its workers are on the followers, which get this config)."""
+    changes: dict[str, Any] = {"parallel": parallel}
+    if parallel.remote_replica:
+        if not isinstance(config.cpu_affinity, (str, type(None))):
+            changes["cpu_affinity"] = None
+        if not isinstance(config.omp_num_threads, (int, type(None))):
+            changes["omp_num_threads"] = None
+    return dataclasses.replace(config, **changes)
 
 
 def _join_replicas(executors: list[Executor], host: str) -> None:

@@ -62,11 +62,14 @@ class MultiprocExecutor(Driver):
             raise ValueError(
                 f"node_rank {parallel.node_rank} is a follower node: run `mpexec node` (or "
                 "mpexec.executor.nodes.run_follower) there; the executor lives on node 0")
-        multinode = parallel.nnodes_within_dp > 1
+        # Followers: this replica's other nodes, or every node of a replica
+        # driven from here with no worker of its own (remote_replica).
+        multinode = bool(parallel.follower_nodes)
         if multinode:
-            # master_port is the node channel's; torch gets a port of its own.
             self.cluster = start_cluster(config, life)
-        life.port = PortReservation(parallel.master_addr, 0 if multinode
+        # Several nodes: master_port and the ports above it are the replicas'
+        # node channels; torch gets a port of its own.
+        life.port = PortReservation(parallel.master_addr, 0 if parallel.nnodes > 1
                                     else parallel.master_port)
         mq = MessageQueue(self.world_size, self.local_world_size,
                           max_chunk_bytes=config.mq_max_chunk_bytes,

@@ -74,7 +74,11 @@ class NodeServer:
 
     def __init__(self, secret: str, host: str, port: int, nnodes: int, local_world_size: int,
                  heartbeat_s: float, timeout_s: float, curve: bool = False,
-                 cluster_nnodes: int | None = None) -> None:
+                 cluster_nnodes: int | None = None, nodes: range | None = None,
+                 first_node: int = 0) -> None:
+        """Admit follower nodes ``1..nnodes-1``, or ``nodes`` when given (a data
+        parallel replica's); node ``r`` runs ranks from ``(r - first_node) x
+        local_world_size`` on."""
         import zmq
 
         if port == 0:
@@ -105,9 +109,11 @@ class NodeServer:
         # A node's queues close before it is declared lost (silent for
         # timeout_s, noticed within two heartbeats): how long a caller waits.
         lag_s = max(1.0, timeout_s + 2 * heartbeat_s)
-        self.nodes = {r: RemoteNodeHandle(self, r, range(r * local_world_size,
-                                                         (r + 1) * local_world_size), lag_s)
-                      for r in range(1, nnodes)}
+        followers = range(1, nnodes) if nodes is None else nodes
+        self.nodes = {r: RemoteNodeHandle(self, r, range((r - first_node) * local_world_size,
+                                                         (r + 1 - first_node) *
+                                                         local_world_size), lag_s)
+                      for r in followers}
         # What a follower must say it was started with: the executor's
         # nnodes (``nnodes`` above counts only this data parallel rank's).
         self.cluster_nnodes = nnodes if cluster_nnodes is None else cluster_nnodes
@@ -229,7 +235,7 @@ class NodeServer:
         mismatch = version_mismatch(opened.parts[1] if len(opened.parts) > 1 else None,
                                     "follower", "leader") or layout_mismatch(
             opened.rank, joined_nnodes(opened.parts), self.cluster_nnodes,
-            taken=node is not None and node.session is not None, followers=len(self.nodes))
+            taken=node is not None and node.session is not None, nodes=list(self.nodes))
         if mismatch is not None:
             logger.error("a follower that asked to join as node %d was refused: %s",
                          opened.rank, mismatch)
@@ -354,17 +360,20 @@ def start_cluster(config: ExecutorConfig, life: Any) -> NodeServer:
         logger.warning("no cluster secret configured: generated one; start each follower "
                        "with MPEXEC_CLUSTER_SECRET=%s", secret)
     parallel = config.parallel
-    return NodeServer(secret, parallel.master_addr, parallel.master_port,
-                      parallel.nnodes_within_dp, parallel.local_world_size,
+    # Each data parallel replica's nodes dial its own port (master_port + DP rank).
+    return NodeServer(secret, parallel.master_addr, parallel.node_port,
+                      parallel.nnodes_within_dp, parallel.world_size // parallel.nnodes_within_dp,
                       config.node_heartbeat_s, config.node_timeout_s,
-                      curve=config.cluster_curve, cluster_nnodes=parallel.nnodes)
+                      curve=config.cluster_curve, cluster_nnodes=parallel.nnodes,
+                      nodes=parallel.follower_nodes, first_node=parallel.replica_nodes.start)
 
 
 def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
                     node_rank: int) -> NodeAssignment:
     """What follower ``node_rank`` is sent: the leader's config (its own node
-    rank set, the secret left out: the frame is authenticated, not encrypted)."""
-    parallel = dataclasses.replace(config.parallel, node_rank=node_rank)
+    rank set, not a ``remote_replica``: it runs its workers; the secret left
+    out: the frame is authenticated, not encrypted)."""
+    parallel = dataclasses.replace(config.parallel, node_rank=node_rank, remote_replica=False)
     return NodeAssignment(config.replace(parallel=parallel, cluster_secret=None), broadcast,
                           init_method)
 

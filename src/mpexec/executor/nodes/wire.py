@@ -92,24 +92,40 @@ def version_mismatch(theirs: bytes | None, their_role: str, our_role: str) -> st
 
 
 def layout_mismatch(node_rank: int, their_nnodes: int | None, our_nnodes: int,
-                    taken: bool, followers: int | None = None) -> str | None:
+                    taken: bool, followers: int | None = None,
+                    nodes: list[int] | None = None) -> str | None:
     """None if a follower that says ``node_rank`` of ``their_nnodes`` fits this
     leader (``taken``: a follower already joined as that node); else a line,
     in plain words, naming both sides' values.  ``followers``: the leader's
-    follower nodes, 1..followers (``our_nnodes - 1``; fewer when data
-    parallel ranks split the nodes)."""
+    follower nodes, 1..followers (``our_nnodes - 1``); ``nodes``, when given:
+    exactly those (one data parallel replica's, which dial their own port)."""
     last = our_nnodes - 1 if followers is None else followers
+    admitted = list(range(1, last + 1)) if nodes is None else nodes
+    names = _node_span(admitted)
     if their_nnodes != our_nnodes:
         return (f"{LAYOUT_REFUSED}: the leader runs nnodes={our_nnodes}, this follower was "
                 f"started with nnodes={their_nnodes if their_nnodes is not None else '?'}; "
                 f"start it with --nnodes {our_nnodes}")
-    if not 0 < node_rank <= last:
-        return (f"{LAYOUT_REFUSED}: node_rank {node_rank} is out of range 1..{last} "
+    if node_rank not in admitted:
+        if nodes is not None and 0 < node_rank < our_nnodes:
+            return (f"{LAYOUT_REFUSED}: this port admits node(s) {names} (one data parallel "
+                    f"replica's; each replica's nodes dial master_port + its data parallel "
+                    f"rank), not node_rank {node_rank}")
+        return (f"{LAYOUT_REFUSED}: node_rank {node_rank} is out of range {names} "
                 f"(nnodes={our_nnodes}; node 0 is the leader)")
     if taken:
         return (f"{LAYOUT_REFUSED}: duplicate node rank: another follower already joined as "
-                f"node {node_rank}; give each follower its own --node-rank 1..{last}")
+                f"node {node_rank}; give each follower its own --node-rank {names}")
     return None
+
+
+def _node_span(nodes: list[int]) -> str:
+    """``1..3`` (``2..2`` for one node), or ``[1, 4]`` for a set with gaps."""
+    if not nodes:
+        return "(none)"
+    if nodes == list(range(nodes[0], nodes[-1] + 1)):
+        return f"{nodes[0]}..{nodes[-1]}"
+    return str(nodes)
 
 
 def join_parts(nonce: int, nnodes: int) -> list[bytes]:
