@@ -1,5 +1,5 @@
-"""Disaggregated prefill through PeerKVConnector: a producer's shared-memory slabs,
-mapped by a consumer on the same machine or fetched over authenticated ZeroMQ.
+"""Disaggregated prefill through PeerKVConnector: a producer's KV caches in shared
+memory, mapped by a consumer on the same machine or fetched over authenticated ZeroMQ.
 
 Greedy and seeded tokens equal those of one colocated engine, for TP 1 -> 2
 and 2 -> 1 through shared memory and for a producer in another process
@@ -53,7 +53,7 @@ def peer(role: str, port: int, transport: str = "shm", **extra: Any) -> dict[str
     return {"kv_connector": "PeerKVConnector", "kv_role": role,
             "kv_connector_extra_config": {"endpoint": f"tcp://127.0.0.1:{port}",
                                           "secret": SECRET, "transport": transport,
-                                          "num_slots": 64, **extra}}
+                                          **extra}}
 
 
 def loadable_blocks() -> int:
@@ -88,7 +88,7 @@ def colocated(tiny_checkpoint: Path) -> list[list[int]]:
 def test_settings_are_checked() -> None:
     from mpexec.models.kv_connector import KVConnectorRole, KVTransferConfig, create_connector
     from mpexec.models.kv_connector.peer import worker_endpoint
-    from mpexec.models.kv_connector.slab import runs
+    from mpexec.models.kv_connector.shared_cache import runs
 
     assert list(runs([(0, 5), (1, 6), (2, 9), (7, 10), (8, 11)])) == [(0, 5, 2), (2, 9, 1),
                                                                      (7, 10, 2)]
