@@ -23,7 +23,7 @@ Prints one table from one run::
    ``/dev/shm``), and ``PeerKVConnector`` over shared memory: the
    producer worker marking the blocks whole (save: generations only, its
    cache is the shared segment) plus the consumer's one copy from the
-   producer's cache into its own (load), and each alone; the memcpy (the
+   producer's cache into its own (load), and the load alone; the memcpy (the
    same bytes between the same two caches) is the faster of one right
    before and one right after each transfer;
 5. the same bytes fetched with ``PeerKVConnector`` over authenticated
@@ -413,8 +413,7 @@ def transfer_rows(args: argparse.Namespace, rows: list[list[str]]) -> None:
     shm = peer_transfer(args, "shm")
     size = shm["bytes"]
     base = size / shm["memcpy"] / 1e9
-    for label, seconds in (("save + load", shm["save"] + shm["load"]), ("save", shm["save"]),
-                           ("load", shm["load"])):
+    for label, seconds in (("save + load", shm["save"] + shm["load"]), ("load", shm["load"])):
         rate = size / seconds / 1e9
         rows.append([f"PeerKVConnector shm {label} vs memcpy, GB/s ({size / 1e6:.0f} MB)",
                      f"{rate:.2f}", f"{base:.2f}", f"{rate / base:.2f}x",

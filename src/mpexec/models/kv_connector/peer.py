@@ -14,9 +14,10 @@ and loads them instead of computing::
         transport "shm": map the producer worker's cache once; per load, one strided
                          copy per run of consecutive blocks, straight from its cache
                          into ours (a generation check around it)
-        transport "zmq": FETCH(blocks, gens, layers, heads) -> the bytes, read from the
-                         producer worker's cache by its server thread and sent in
-                         chunks, each copied into our cache as it arrives
+        transport "zmq": FETCH(blocks, gens, layers, heads) -> the bytes, gathered from
+                         the producer worker's cache by its server thread and sent in
+                         chunks (about CHUNK_BYTES), each copied into our cache as it
+                         arrives: hashing, sending and copying overlap
 
 Every message is authenticated (:mod:`peer_wire`); ``endpoint`` is the
 producer scheduler's ``tcp://host:port`` (its workers use the next ports).
@@ -79,7 +80,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 2.0
 RETRY_S = 5.0
 MAX_ERRORS_KEPT = 1024  # the latest requests' errors (a long-running server's memory)
-CHUNK_BYTES = 4 << 20  # a FETCH reply's chunk (whole layers): hashed while the last one travels
+CHUNK_BYTES = 1 << 20  # a FETCH reply's chunk (whole planes): hashed while the last one travels
 _SETTINGS = {"endpoint", "transport", "timeout_s", "secret"}
 
 
@@ -359,11 +360,13 @@ class PeerKVConnector(KVConnectorBase):
         return self._fetch(request)
 
     def _fetch(self, request: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-        """The blocks' bytes for the asked layers and heads, a few whole layers per reply.
+        """The blocks' bytes for the asked layers and heads, a few planes per reply.
 
-        Each chunk is gathered into a buffer of its own (the cache may be
-        overwritten once the generations are checked; a buffer handed to
-        ZeroMQ is not), between two generation checks.
+        A *plane* is one layer's K or V of the asked blocks and heads; the
+        planes of ``layers`` are numbered layer-major (``2 * layer + kv``).
+        Each chunk is gathered into a buffer of its own between two
+        generation checks (the cache may be overwritten once they passed; a
+        buffer handed to ZeroMQ is not).
         """
         import torch
 
@@ -379,25 +382,26 @@ class PeerKVConnector(KVConnectorBase):
             raise ValueError("a block outside this cache")
         size = shared.shape.block_size
         tokens = len(blocks) * size
-        layer_bytes = 2 * tokens * (hj - ho) * shared.shape.head_dim * shared.data.element_size()
-        step = max(1, CHUNK_BYTES // max(layer_bytes, 1))
+        source = shared.data[lo - l0:hi - l0, :, :, ho - h0:hj - h0]
+        source = source.view(-1, *source.shape[2:])  # [planes, slots, heads, head_dim]
+        planes = source.shape[0]
+        plane_bytes = tokens * (hj - ho) * shared.shape.head_dim * shared.data.element_size()
+        step = max(1, CHUNK_BYTES // max(plane_bytes, 1))
         pairs = list(runs([(b, i) for i, b in enumerate(blocks)]))
-        for first in range(lo, hi, step):
-            last = min(first + step, hi)
-            data = shared.data[first - l0:last - l0, :, :, ho - h0:hj - h0]
-            out = torch.empty((last - first, 2, tokens, hj - ho, shared.shape.head_dim),
-                              dtype=shared.data.dtype)
+        for first in range(0, planes, step):
+            last = min(first + step, planes)
+            out = torch.empty((last - first, tokens, *source.shape[2:]), dtype=source.dtype)
             if not shared.whole(blocks, gens):
                 yield {"ok": False}, []
                 return
             for block, index, count in pairs:
-                out[:, :, index * size:(index + count) * size].copy_(
-                    data[:, :, block * size:(block + count) * size])
+                out[:, index * size:(index + count) * size].copy_(
+                    source[first:last, block * size:(block + count) * size])
             if not shared.whole(blocks, gens):
                 yield {"ok": False}, []
                 return
-            reply: dict[str, Any] = {"ok": True, "layers": [first, last]}
-            if last < hi:
+            reply: dict[str, Any] = {"ok": True, "planes": [first, last]}
+            if last < planes:
                 reply["more"] = True
             yield reply, [out.view(-1).view(torch.uint8).numpy()]
 
@@ -480,37 +484,38 @@ class PeerKVConnector(KVConnectorBase):
 
     def _copy_zmq(self, endpoint: str, load: PeerLoad, layers: tuple[int, int],
                   heads: tuple[int, int]) -> bool:
-        """The blocks fetched in chunks of whole layers, each copied in as it arrives."""
+        """The blocks fetched in chunks of planes (see :meth:`_fetch`), each copied
+        in as it arrives, while the next one is hashed and sent."""
         import torch
 
         from mpexec.models.kv_connector.shared_cache import runs
 
         target = self._target(layers, heads)
+        target = target.view(-1, *target.shape[2:])  # [planes, slots, heads, head_dim]; no copy
         size = self.config.block_size
         tokens = len(load.sources) * size
+        plane = tokens * target.shape[2] * target.shape[3]
         pairs = list(runs([(i, b) for i, b in enumerate(load.block_ids)]))
-        done = layers[0]
+        done = 0
         for reply, parts in self._client(endpoint).stream(
                 KIND_FETCH, {"blocks": load.sources, "gens": load.gens, "layers": list(layers),
                              "heads": list(heads)}, self.timeout_s):
             if not reply.get("ok") or len(parts) != 1:
                 return False
-            first, last = (int(x) for x in reply["layers"])
-            if first != done or not first < last <= layers[1]:
+            first, last = (int(x) for x in reply["planes"])
+            if first != done or not first < last <= target.shape[0]:
                 return False
-            shape = (last - first, 2, tokens, heads[1] - heads[0], target.shape[-1])
             with warnings.catch_warnings():  # a received frame is read-only; it is only read
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(parts[0], dtype=target.dtype)
-            if data.numel() != shape[0] * shape[1] * shape[2] * shape[3] * shape[4]:
+            if data.numel() != (last - first) * plane:
                 return False
-            data = data.view(shape)
-            into = target[first - layers[0]:last - layers[0]]
+            data = data.view(last - first, tokens, *target.shape[2:])
             for index, block, count in pairs:
-                into[:, :, block * size:(block + count) * size].copy_(
-                    data[:, :, index * size:(index + count) * size])
+                target[first:last, block * size:(block + count) * size].copy_(
+                    data[:, index * size:(index + count) * size])
             done = last
-        return done == layers[1]
+        return done == target.shape[0]
 
     def get_finished(self) -> tuple[set[str], set[str], set[int]]:
         done = (self._finished_sending, self._finished_recving, self._invalid)
