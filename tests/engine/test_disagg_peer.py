@@ -107,6 +107,76 @@ def test_settings_are_checked() -> None:
         create_connector(both, KVConnectorRole.WORKER)
 
 
+@pytest.mark.timeout(60)
+def test_a_long_stream_arrives_whole_and_in_order() -> None:
+    """More chunks than ZeroMQ's default high-water mark, to a client that
+    reads late: none is dropped (a ROUTER drops what it cannot queue)."""
+    from mpexec.models.kv_connector.peer_wire import KIND_FETCH, PeerClient, PeerServer
+
+    count = 3000
+
+    def handler(kind: int, request: dict[str, Any]) -> Iterator[tuple[dict[str, Any],
+                                                                      list[Any]]]:
+        for index in range(count):
+            yield ({"more": True} if index < count - 1 else {}), [index.to_bytes(4, "little")
+                                                                 * 4096]
+
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)}"
+    server = PeerServer(endpoint, SECRET, handler, "test server")
+    client = PeerClient(endpoint, SECRET, "test client")
+    try:
+        stream = client.stream(KIND_FETCH, {}, 30.0)
+        got = [next(stream)]
+        time.sleep(1.0)  # the server queues the rest meanwhile
+        got.extend(stream)
+        assert [bytes(parts[0][:4]) for _, parts in got] == \
+            [index.to_bytes(4, "little") for index in range(count)]
+        assert all(reply == {} for reply, _ in got)
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_reply_repeated_or_out_of_order_is_refused() -> None:
+    """Authentic chunks replayed within a stream, or out of their order, are
+    refused: the index each carries is under the MAC."""
+    import zmq
+
+    from mpexec.ipc.auth import DropCounter
+    from mpexec.models.kv_connector.peer_wire import KIND_FETCH, REPLY, PeerClient, _auths
+
+    requests, replies = _auths(SECRET)
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)}"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 10_000)  # a client that never asks: no hang
+    router.bind(endpoint)
+    client = PeerClient(endpoint, SECRET, "test client")
+    try:
+        for order in ([0, 0], [1]):
+            stream = client.stream(KIND_FETCH, {}, 10.0)
+
+            def answer(order: list[int] = order) -> None:
+                identity, *frames = router.recv_multipart()
+                opened = requests.open(frames, DropCounter("test"))
+                assert opened is not None
+                for aux in order:
+                    router.send_multipart([identity, *replies.seal(
+                        KIND_FETCH | REPLY, 0, opened.seq, [b'{"more": true}'], aux=aux)])
+
+            replier = threading.Thread(target=answer)
+            replier.start()
+            with pytest.raises(ValueError, match="was due"):
+                list(stream)
+            replier.join(timeout=10)
+    finally:
+        client.close()
+        router.close()
+        context.term()
+
+
 class _Request:
     def __init__(self, req_id: str, hashes: list[bytes]) -> None:
         self.req_id = req_id

@@ -93,6 +93,9 @@ class PeerServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # a ROUTER drops what it cannot queue: no limit, so that no chunk of a long
+        # stream is lost (a reply's chunks hold no more than the one reply it replaces)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
         try:
             self._socket.bind(endpoint)
         except BaseException:
