@@ -130,14 +130,15 @@ class SharedCache:
         """A segment shaped like ``cache`` (a CPU KVCache) that becomes its tensor.
 
         Called before anything is computed: what the old tensor held is
-        not copied.  The pages are not touched either (as ``torch.empty``'s):
-        the forward maps them as it writes blocks.
+        not copied.  The pages are not allocated either (as ``torch.empty``'s
+        are not): the forward allocates them as it first writes blocks.
         """
         if cache.tensor.device.type != "cpu":
             raise ValueError("a KV cache in shared memory must be on the CPU; "
                              f"this one is on {cache.tensor.device}")
         shape = CacheShape.of(cache)
-        segment = Segment.create(segment_name("kvcache"), shape.nbytes, "KV cache")
+        segment = Segment.create(segment_name("kvcache"), shape.nbytes, "KV cache",
+                                 allocate=False)
         shared = cls(segment, shape)
         cache.tensor = shared.data
         return shared
