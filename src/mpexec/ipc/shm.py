@@ -173,6 +173,20 @@ class Segment:
             self.cells[cell] = value
             return True
 
+    def let_go(self) -> None:
+        """Close the descriptor and drop this object's own views, leaving the
+        mapping to those who hold views of ``bytes`` (a tensor made on it): it is
+        unmapped when the last of them goes, never under them."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.cells.release()
+            self._anchor = None
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = -1
+
     def close(self) -> None:
         """Unmap and close; views still held elsewhere keep the memory alive."""
         with self._lock:

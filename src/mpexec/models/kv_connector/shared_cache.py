@@ -115,9 +115,10 @@ def runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
 class SharedCache:
     """A worker's cache segment seen as generations and the KV tensor."""
 
-    def __init__(self, segment: Segment, shape: CacheShape) -> None:
+    def __init__(self, segment: Segment, shape: CacheShape, owner: bool = False) -> None:
         self.segment = segment
         self.shape = shape
+        self.owner = owner  # created here: the worker's cache tensor is ``data``
         self.gens = segment.bytes[:shape.num_blocks * 8].cast("Q")
         count = segment.size - shape.data_offset
         dtype = torch_dtype(shape.dtype)
@@ -139,7 +140,7 @@ class SharedCache:
         shape = CacheShape.of(cache)
         segment = Segment.create(segment_name("kvcache"), shape.nbytes, "KV cache",
                                  allocate=False)
-        shared = cls(segment, shape)
+        shared = cls(segment, shape, owner=True)
         cache.tensor = shared.data
         return shared
 
@@ -164,6 +165,13 @@ class SharedCache:
         return all(current[b] == g for b, g in zip(blocks, gens, strict=True))
 
     def close(self) -> None:
+        """Let go of the segment.  The owner's cache keeps its tensor, and the
+        mapping with it until the cache lets go of it (unmapping it under the
+        cache would make any later access a segmentation fault); a reader's
+        mapping is unmapped now."""
         self.gens.release()
         del self.data
-        self.segment.close()
+        if self.owner:
+            self.segment.let_go()
+        else:
+            self.segment.close()
