@@ -71,7 +71,8 @@ def reservation_error(err: OSError, size: int, what: str) -> OSError:
 
 
 def create_memfd(name: str, size: int, what: str, allocate: bool = True) -> int:
-    """A 0600 memfd of ``size`` bytes whose pages are already allocated.
+    """A 0600 memfd of ``size`` bytes whose pages are already allocated
+    (unless ``allocate`` is false).
 
     ``size`` is checked against every memory limit first (see ``limits``), so
     an impossible size fails here, at once, instead of feeding the OOM killer.
