@@ -53,8 +53,8 @@ from mpexec.ipc.auth import DropCounter, FrameAuth, derive_key
 logger = logging.getLogger(__name__)
 
 KIND_LOOKUP = 1  # scheduler side: which of these block hashes are ready
-KIND_DESCRIBE = 2  # worker side: the shard's layout and shared-memory segment
-KIND_FETCH = 3  # worker side: the bytes of some slots
+KIND_DESCRIBE = 2  # worker side: the layout of its KV cache and its shared-memory segment
+KIND_FETCH = 3  # worker side: the bytes of some blocks (a stream of chunks)
 REPLY = 0x80
 MAX_BYTES = 1 << 40
 POLL_MS = 100
