@@ -1,5 +1,5 @@
-"""Disaggregated prefill through PeerKVConnector: a producer's shared-memory slabs,
-mapped by a consumer on the same machine or fetched over authenticated ZeroMQ.
+"""Disaggregated prefill through PeerKVConnector: a producer's KV caches in shared
+memory, mapped by a consumer on the same machine or fetched over authenticated ZeroMQ.
 
 Greedy and seeded tokens equal those of one colocated engine, for TP 1 -> 2
 and 2 -> 1 through shared memory and for a producer in another process
@@ -53,7 +53,7 @@ def peer(role: str, port: int, transport: str = "shm", **extra: Any) -> dict[str
     return {"kv_connector": "PeerKVConnector", "kv_role": role,
             "kv_connector_extra_config": {"endpoint": f"tcp://127.0.0.1:{port}",
                                           "secret": SECRET, "transport": transport,
-                                          "num_slots": 64, **extra}}
+                                          **extra}}
 
 
 def loadable_blocks() -> int:
@@ -88,7 +88,7 @@ def colocated(tiny_checkpoint: Path) -> list[list[int]]:
 def test_settings_are_checked() -> None:
     from mpexec.models.kv_connector import KVConnectorRole, KVTransferConfig, create_connector
     from mpexec.models.kv_connector.peer import worker_endpoint
-    from mpexec.models.kv_connector.slab import runs
+    from mpexec.models.kv_connector.shared_cache import runs
 
     assert list(runs([(0, 5), (1, 6), (2, 9), (7, 10), (8, 11)])) == [(0, 5, 2), (2, 9, 1),
                                                                      (7, 10, 2)]
@@ -105,6 +105,179 @@ def test_settings_are_checked() -> None:
                                                            "secret": SECRET})
     with pytest.raises(ValueError, match="kv_producer or kv_consumer"):
         create_connector(both, KVConnectorRole.WORKER)
+
+
+@pytest.mark.timeout(60)
+def test_a_long_stream_arrives_whole_and_in_order() -> None:
+    """More chunks than ZeroMQ's default high-water mark, to a client that
+    reads late: none is dropped (a ROUTER drops what it cannot queue)."""
+    from mpexec.models.kv_connector.peer_wire import KIND_FETCH, PeerClient, PeerServer
+
+    count = 3000
+
+    def handler(kind: int, request: dict[str, Any]) -> Iterator[tuple[dict[str, Any],
+                                                                      list[Any]]]:
+        for index in range(count):
+            yield ({"more": True} if index < count - 1 else {}), [index.to_bytes(4, "little")
+                                                                 * 4096]
+
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)}"
+    server = PeerServer(endpoint, SECRET, handler, "test server")
+    client = PeerClient(endpoint, SECRET, "test client")
+    try:
+        stream = client.stream(KIND_FETCH, {}, 30.0)
+        got = [next(stream)]
+        time.sleep(1.0)  # the server queues the rest meanwhile
+        got.extend(stream)
+        assert [bytes(parts[0][:4]) for _, parts in got] == \
+            [index.to_bytes(4, "little") for index in range(count)]
+        assert all(reply == {} for reply, _ in got)
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_reply_repeated_or_out_of_order_is_refused() -> None:
+    """Authentic chunks replayed within a stream, or out of their order, are
+    refused: the index each carries is under the MAC."""
+    import zmq
+
+    from mpexec.ipc.auth import DropCounter
+    from mpexec.models.kv_connector.peer_wire import KIND_FETCH, REPLY, PeerClient, _auths
+
+    requests, replies = _auths(SECRET)
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)}"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 10_000)  # a client that never asks: no hang
+    router.bind(endpoint)
+    client = PeerClient(endpoint, SECRET, "test client")
+    try:
+        for order in ([0, 0], [1]):
+            stream = client.stream(KIND_FETCH, {}, 10.0)
+
+            def answer(order: list[int] = order) -> None:
+                identity, *frames = router.recv_multipart()
+                opened = requests.open(frames, DropCounter("test"))
+                assert opened is not None
+                for aux in order:
+                    router.send_multipart([identity, *replies.seal(
+                        KIND_FETCH | REPLY, 0, opened.seq, [b'{"more": true}'], aux=aux)])
+
+            replier = threading.Thread(target=answer)
+            replier.start()
+            with pytest.raises(ValueError, match="was due"):
+                list(stream)
+            replier.join(timeout=10)
+    finally:
+        client.close()
+        router.close()
+        context.term()
+
+
+class _Request:
+    def __init__(self, req_id: str, hashes: list[bytes]) -> None:
+        self.req_id = req_id
+        self.block_hashes = hashes
+        self.num_tokens = len(hashes) * 4 + 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_blocks_reused_by_the_producer_are_never_loaded(transport: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connector level (both sides in this process): the producer worker's
+    cache is the shared segment; blocks it published load exactly.  Then its
+    block manager hands one of them out again and its worker starts the step
+    that overwrites it: a consumer that looked the request up before gets
+    every block of that load reported invalid (so the scheduler recomputes
+    them), and the index stops offering the block.  A block handed out again
+    before its save was published is never published.  Over ZeroMQ each
+    plane (a layer's K or V) is its own reply of the stream.  The producer's
+    cache outlives its connector."""
+    import torch
+
+    from mpexec.models.kv_cache import KVCache
+    from mpexec.models.kv_connector import (
+        KVConnectorRole,
+        KVTransferConfig,
+        create_connector,
+        peer as peer_module,
+    )
+    from mpexec.outputs import KVConnectorOutput
+
+    monkeypatch.setattr(peer_module, "CHUNK_BYTES", 1)
+    caches = [KVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
+    extra = peer("kv_producer", free_ports(2), transport)["kv_connector_extra_config"]
+    sides = [create_connector(KVTransferConfig("PeerKVConnector", role, extra, block_size=4),
+                              side)
+             for role in ("kv_producer", "kv_consumer")
+             for side in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    index, saver, asker, loader = sides
+    try:
+        saver.register_kv_caches(caches[0])
+        loader.register_kv_caches(caches[1])
+        shared: Any = saver
+        assert shared.shared.data.data_ptr() == caches[0].tensor.data_ptr()
+
+        def produce(blocks: list[int], hashes: list[bytes], publish: bool = True) -> Any:
+            index.blocks_allocated(blocks)
+            index.blocks_computed(list(zip(blocks, hashes, strict=True)))
+            saver.bind_connector_metadata(index.build_connector_meta(None))
+            saver.start_load_kv()
+            for block in blocks:  # the forward
+                caches[0].tensor[:, :, block * 4:(block + 1) * 4].normal_()
+            saver.wait_for_save()
+            output = KVConnectorOutput(*saver.get_finished())
+            if publish:
+                index.update_connector_output(output)
+            return output
+
+        def look_up(req_id: str, hashes: list[bytes], into: list[int]) -> int:
+            request = _Request(req_id, hashes)
+            found = asker.get_num_new_matched_tokens(request, 0)
+            if found:
+                asker.update_state_after_alloc(request, into[:found // 4], found)
+            return found
+
+        def load() -> set[int]:
+            loader.bind_connector_metadata(asker.build_connector_meta(None))
+            loader.start_load_kv()
+            sending, recving, invalid = loader.get_finished()
+            asker.update_connector_output(KVConnectorOutput(sending, recving, invalid))
+            return invalid
+
+        hashes = [bytes([i]) * 16 for i in range(4)]
+        produce([0, 1, 2, 3], hashes)
+        assert look_up("a", hashes, [4, 5, 6, 7]) == 16
+        assert load() == set()
+        assert torch.equal(caches[1].tensor[:, :, 16:32], caches[0].tensor[:, :, 0:16])
+
+        assert look_up("b", hashes, [0, 1, 2, 3]) == 16
+        index.blocks_allocated([2])  # block 2 handed out again: its KV is overwritten
+        saver.bind_connector_metadata(index.build_connector_meta(None))
+        saver.start_load_kv()
+        caches[0].tensor[:, :, 8:12] = -1.0
+        assert load() == {0, 1, 2, 3}
+        errors: Any = asker.transfer_errors
+        assert set(errors) == {"b"} and errors["b"].req_id == "b"
+        assert look_up("c", hashes, [0, 1, 2, 3]) == 8  # the index stops at block 2
+        assert load() == set()
+
+        late = [bytes([9]) * 16]
+        output = produce([5], late, publish=False)
+        index.blocks_allocated([5])  # handed out again before the save is published
+        index.update_connector_output(output)
+        assert look_up("d", late, [0]) == 0
+    finally:
+        for side in sides:
+            side.close()
+    # the producer's cache keeps its memory until the cache itself goes (a worker
+    # closes its connector first): reading it now is no segmentation fault
+    assert torch.isfinite(caches[0].tensor[:, :, :16]).all()
 
 
 @pytest.mark.slow

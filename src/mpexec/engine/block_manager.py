@@ -20,12 +20,17 @@ them (a block in use is never evicted).
 A cached block's KV may still be being written by a step in flight: it is
 safe to share, because every worker runs steps in order, so the step that
 writes it finishes before any later step reads it.
+
+``on_allocate`` (when set) hears of every block ``allocate`` hands out,
+whose KV is about to be overwritten (a KV connector whose peers read this
+cache marks them so; blocks shared through ``take`` keep their KV).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 
 from mpexec.engine.prefix_cache import BlockHash, PrefixCacheStats
 
@@ -53,6 +58,7 @@ class BlockManager:
         self._hash_of: dict[int, BlockHash] = {}
         self.stats = PrefixCacheStats()
         self.num_evictions = 0
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,6 +91,8 @@ class BlockManager:
                 self.num_evictions += 1
             self._holders[block] = [req_id]
             taken.append(block)
+        if self.on_allocate is not None:
+            self.on_allocate(taken)
         return taken
 
     def free(self, req_id: str, block_ids: list[int]) -> None:

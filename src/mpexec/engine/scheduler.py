@@ -178,6 +178,7 @@ class Scheduler:
         if limits.kv_transfer_config is not None:
             self.connector = create_connector(KVTransferConfig(**limits.kv_transfer_config),
                                               KVConnectorRole.SCHEDULER)
+            self.blocks.on_allocate = self.connector.blocks_allocated
         self._loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
         # blocks are named when they can be shared or a connector stores them
         self._hashing = limits.enable_prefix_caching or self.connector is not None

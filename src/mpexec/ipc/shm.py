@@ -70,17 +70,23 @@ def reservation_error(err: OSError, size: int, what: str) -> OSError:
     return reservation_failed(err, size, what)
 
 
-def create_memfd(name: str, size: int, what: str) -> int:
-    """A 0600 memfd of ``size`` bytes whose pages are already allocated.
+def create_memfd(name: str, size: int, what: str, allocate: bool = True) -> int:
+    """A 0600 memfd of ``size`` bytes whose pages are already allocated
+    (unless ``allocate`` is false).
 
     ``size`` is checked against every memory limit first (see ``limits``), so
     an impossible size fails here, at once, instead of feeding the OOM killer.
+    ``allocate=False`` leaves the pages to be allocated as they are first
+    touched (as an anonymous ``torch.empty`` would: a large KV cache of which
+    a run may use a small part).
     """
     check_reservation(size, what)
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
-        if size:
+        if size and not allocate:
+            os.ftruncate(fd, size)
+        elif size:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as err:
@@ -141,8 +147,8 @@ class Segment:
         self._lock = threading.RLock()
 
     @classmethod
-    def create(cls, name: str, size: int, what: str) -> Segment:
-        fd = create_memfd(name, size, what)
+    def create(cls, name: str, size: int, what: str, allocate: bool = True) -> Segment:
+        fd = create_memfd(name, size, what, allocate)
         try:
             return cls(fd, size, owner=True)
         except BaseException:
@@ -167,6 +173,20 @@ class Segment:
                 return False
             self.cells[cell] = value
             return True
+
+    def let_go(self) -> None:
+        """Close the descriptor and drop this object's own views, leaving the
+        mapping to those who hold views of ``bytes`` (a tensor made on it): it is
+        unmapped when the last of them goes, never under them."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.cells.release()
+            self._anchor = None
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = -1
 
     def close(self) -> None:
         """Unmap and close; views still held elsewhere keep the memory alive."""

@@ -3,8 +3,8 @@
 ``base`` holds the interface both sides speak and the configuration;
 ``offload`` the CPU (and disk) offload connector; ``shared`` disaggregated
 prefill through a shared-memory directory; ``peer`` disaggregated prefill
-from a producer's shared-memory slabs (``slab``), on this machine or over
-authenticated ZeroMQ (``peer_wire``).
+from a producer's KV caches in shared memory (``shared_cache``), on this
+machine or over authenticated ZeroMQ (``peer_wire``).
 """
 
 from mpexec.models.kv_connector.base import (

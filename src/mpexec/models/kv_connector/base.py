@@ -7,6 +7,7 @@ One connector class serves two roles, each with its own instance:
       get_num_new_matched_tokens(request, num_computed)  -> tokens it can load
       update_state_after_alloc(request, block_ids, n)    -> remember what to load where
       build_connector_meta(scheduler_output)             -> what workers do this step
+      blocks_allocated([block, ...])                    <- blocks handed out for new KV
       blocks_computed([(block, hash), ...])             <- full blocks this step computes
       update_connector_output(kv_connector_output)       <- what every worker finished
       request_finished(request, block_ids)               <- it ended (its blocks are freed
@@ -142,6 +143,9 @@ class KVConnectorBase:
 
     def update_connector_output(self, kv_connector_output: Any) -> None:
         """Transfers every worker finished (the aggregated output of a step)."""
+
+    def blocks_allocated(self, block_ids: list[int]) -> None:
+        """Blocks just handed out for new KV: what they held is about to be overwritten."""
 
     def blocks_computed(self, blocks: list[tuple[int, bytes]]) -> None:
         """Full blocks (id, prefix hash) whose KV this step computes; held while it runs."""

@@ -1,26 +1,39 @@
-"""Disaggregated prefill from a producer's shared-memory slabs, locally or over ZeroMQ.
+"""Disaggregated prefill from a producer's KV caches, locally or over ZeroMQ.
 
 A producer engine (``kv_role="kv_producer"``) computes prompts; each of
-its workers copies the full blocks it computed into its :class:`BlockSlab`
-(one preallocated memfd per worker: its layers, its KV heads).  A consumer
-engine (``kv_role="kv_consumer"``, any TP/PP layout) asks the producer
-which of a request's blocks it holds and loads them instead of computing::
+its workers keeps its paged KV cache in shared memory
+(:class:`SharedCache`: one memfd per worker, its layers, its KV heads,
+with a generation per block).  A consumer engine (``kv_role="kv_consumer"``,
+any TP/PP layout) asks the producer which of a request's blocks it holds
+and loads them instead of computing::
 
-    consumer scheduler ── LOOKUP(hashes) ──> producer scheduler (index: hash -> slot, gen)
-                       <── instance, producer world size, [(slot, gen), ...]
+    consumer scheduler ── LOOKUP(hashes) ──> producer scheduler (index: hash -> block, gen)
+                       <── instance, producer world size, [(block, gen), ...]
     consumer worker ── DESCRIBE ──> producer worker r (endpoint port + 1 + r)
-                    <── its layers, heads, slab layout, memfd (pid, fd, inode)
-        transport "shm": map the memfd once; per load, one strided copy per run of
-                         consecutive blocks, slab -> cache (a generation check around it)
-        transport "zmq": FETCH(slots, gens, layers, heads) -> the bytes, gathered by
-                         the producer worker's server thread, copied into the cache
+                    <── its layers, heads, cache layout, memfd (pid, fd, inode)
+        transport "shm": map the producer worker's cache once; per load, one strided
+                         copy per run of consecutive blocks, straight from its cache
+                         into ours (a generation check around it)
+        transport "zmq": FETCH(blocks, gens, layers, heads) -> the bytes, gathered from
+                         the producer worker's cache by its server thread and sent in
+                         chunks (about CHUNK_BYTES), each copied into our cache as it
+                         arrives: hashing, sending and copying overlap
 
 Every message is authenticated (:mod:`peer_wire`); ``endpoint`` is the
 producer scheduler's ``tcp://host:port`` (its workers use the next ports).
-The producer publishes a block in its index only once *every* producer
-worker reported it saved (the executor's aggregator); a slot it reuses
-has a new generation, so a consumer that copied a block while it was being
-overwritten sees it and reports it invalid.
+
+Generations.  The producer's scheduler side sees every block the block
+manager hands out (:meth:`blocks_allocated`): such a block is about to be
+overwritten, so it leaves the index and its generation becomes odd; the
+workers store that generation before the step's forward runs.  A full
+block the step computes (:meth:`blocks_computed`) gets the next, even,
+generation, which the workers store after the forward; the scheduler
+publishes it in its index only once *every* producer worker reported it
+stored (the executor's aggregator).  A consumer copies a block only if
+its generation is the published one before and after the copy, so a
+block reused while it was being read is reported invalid and recomputed,
+never used.  Blocks stay loadable while the producer keeps them in its
+prefix cache (freed blocks are reused last; keep prefix caching on).
 
 Failures are per request and bounded: a LOOKUP, DESCRIBE or FETCH that gets
 no reply within ``timeout_s`` (a dead or stalled producer) makes the
@@ -41,6 +54,7 @@ import secrets
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +77,11 @@ from mpexec.models.kv_connector.peer_wire import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SLOTS = 256
 DEFAULT_TIMEOUT_S = 2.0
 RETRY_S = 5.0
 MAX_ERRORS_KEPT = 1024  # the latest requests' errors (a long-running server's memory)
-_SETTINGS = {"endpoint", "transport", "num_slots", "timeout_s", "secret"}
+CHUNK_BYTES = 1 << 20  # a FETCH reply's chunk (whole planes): hashed while the last one travels
+_SETTINGS = {"endpoint", "transport", "timeout_s", "secret"}
 
 
 def worker_endpoint(endpoint: str, rank: int) -> str:
@@ -79,10 +93,10 @@ def worker_endpoint(endpoint: str, rank: int) -> str:
 @dataclass
 class PeerLoad:
     req_id: str
-    block_ids: list[int]
-    slots: list[int]
-    gens: list[int]
-    instance: str  # which producer run the slots belong to
+    block_ids: list[int]  # the consumer's
+    sources: list[int]  # the producer's blocks holding them
+    gens: list[int]  # their published generations
+    instance: str  # which producer run the blocks belong to
     world: int  # how many producer workers hold shards
 
 
@@ -90,7 +104,8 @@ class PeerLoad:
 class PeerMetadata(KVConnectorMetadata):
     instance: str = ""
     save_id: str = ""
-    saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    reused: list[tuple[int, int]] = field(default_factory=list)  # (block, odd gen), before
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (block, even gen), after
     loads: list[PeerLoad] = field(default_factory=list)
 
 
@@ -99,8 +114,8 @@ class _Shard:
     """A producer worker as a consumer worker knows it."""
 
     instance: str
-    shape: Any  # SlabShape
-    slab: Any = None  # BlockSlab, mapped (transport "shm")
+    shape: Any  # CacheShape
+    cache: Any = None  # SharedCache, mapped (transport "shm")
 
 
 class PeerKVConnector(KVConnectorBase):
@@ -121,10 +136,9 @@ class PeerKVConnector(KVConnectorBase):
         if self.transport not in ("shm", "zmq"):
             raise ValueError(f"PeerKVConnector: transport must be shm or zmq; "
                              f"got {self.transport!r}")
-        self.num_slots = int(extra.get("num_slots", DEFAULT_SLOTS))
         self.timeout_s = float(extra.get("timeout_s", DEFAULT_TIMEOUT_S))
-        if self.num_slots < 1 or self.timeout_s <= 0:
-            raise ValueError("PeerKVConnector: num_slots >= 1 and timeout_s > 0 needed")
+        if self.timeout_s <= 0:
+            raise ValueError("PeerKVConnector: timeout_s > 0 needed")
         secret = extra.get("secret") or load_envs().cluster_secret
         if not secret:
             raise ValueError("PeerKVConnector needs a secret: kv_connector_extra_config "
@@ -135,12 +149,11 @@ class PeerKVConnector(KVConnectorBase):
         self._lock = threading.Lock()  # the index, against the LOOKUP server's thread
         # scheduler side, producer
         self.instance = secrets.token_hex(8)
-        self._index: dict[bytes, tuple[int, int]] = {}
-        self._slot_owner: list[bytes | None] = [None] * self.num_slots
-        self._writes = [0] * self.num_slots
-        self._cursor = 0
-        self._busy: set[int] = set()
+        self._index: dict[bytes, tuple[int, int]] = {}  # hash -> (block, gen): published
+        self._owner: dict[int, bytes] = {}  # block -> hash: published or being saved
+        self._gen: dict[int, int] = {}  # block -> its generation (odd: being written)
         self._saving: set[bytes] = set()
+        self._step_reused: list[tuple[int, int]] = []
         self._step_saves: list[tuple[int, int]] = []
         self._step_published: list[tuple[bytes, int, int]] = []
         self._pending: dict[str, list[tuple[bytes, int, int]]] = {}
@@ -156,7 +169,7 @@ class PeerKVConnector(KVConnectorBase):
         self.num_failed_loads = 0
         # worker side
         self.cache: Any = None
-        self.slab: Any = None
+        self.shared: Any = None  # SharedCache: this producer worker's cache
         self._worker_instance = ""
         self._shards: dict[str, _Shard] = {}
         self._dead_until: dict[str, float] = {}
@@ -179,35 +192,42 @@ class PeerKVConnector(KVConnectorBase):
 
     # -- scheduler side: producer ----------------------------------------------------
 
+    def blocks_allocated(self, block_ids: list[int]) -> None:
+        if not self.produces:
+            return
+        for block in block_ids:
+            gen = self._gen.get(block, 0)
+            if gen % 2:
+                continue  # already marked as being written; nothing published holds it
+            self._gen[block] = gen + 1
+            self._step_reused.append((block, gen + 1))
+            with self._lock:
+                old = self._owner.pop(block, None)
+                if old is not None and self._index.get(old, (None, 0))[0] == block:
+                    del self._index[old]
+
     def blocks_computed(self, blocks: list[tuple[int, bytes]]) -> None:
         if not self.produces:
             return
         for block, block_hash in blocks:
             if block_hash in self._index or block_hash in self._saving:
                 continue
-            slot = self._cursor
-            if slot in self._busy:  # the ring came round within unfinished saves
-                logger.debug("KV slab full of unfinished saves: block not offered")
+            gen = self._gen.get(block, 0)
+            if not gen % 2:  # not handed out through blocks_allocated: never offered
+                logger.debug("block %d computed without being allocated: not offered", block)
                 continue
-            self._cursor = (slot + 1) % self.num_slots
-            with self._lock:
-                old = self._slot_owner[slot]
-                if old is not None:
-                    self._index.pop(old, None)
-                self._slot_owner[slot] = block_hash
-            self._writes[slot] += 1
-            self._busy.add(slot)
+            self._gen[block] = gen + 1
+            self._owner[block] = block_hash
             self._saving.add(block_hash)
-            self._step_saves.append((block, slot))
-            self._step_published.append((block_hash, slot, 2 * self._writes[slot]))
+            self._step_saves.append((block, gen + 1))
+            self._step_published.append((block_hash, block, gen + 1))
 
     def _publish(self, save_id: str) -> None:
-        for block_hash, slot, gen in self._pending.pop(save_id, ()):
-            self._busy.discard(slot)
+        for block_hash, block, gen in self._pending.pop(save_id, ()):
             self._saving.discard(block_hash)
             with self._lock:
-                if self._slot_owner[slot] == block_hash:
-                    self._index[block_hash] = (slot, gen)
+                if self._owner.get(block) == block_hash and self._gen.get(block) == gen:
+                    self._index[block_hash] = (block, gen)
                     self.num_saved_blocks += 1
 
     def _serve_index(self, kind: int, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -261,7 +281,7 @@ class PeerKVConnector(KVConnectorBase):
         instance, world, blocks = self._found.pop(request.req_id)
         blocks = blocks[:num_external_tokens // self.config.block_size]
         self._step_loads.append(PeerLoad(request.req_id, list(block_ids),
-                                         [int(s) for s, _ in blocks],
+                                         [int(b) for b, _ in blocks],
                                          [int(g) for _, g in blocks], instance, world))
         self._loads[request.req_id] = list(block_ids)
         self.num_loaded_blocks += len(blocks)
@@ -270,13 +290,14 @@ class PeerKVConnector(KVConnectorBase):
         return bool(self._step_loads)
 
     def build_connector_meta(self, scheduler_output: Any) -> PeerMetadata:
-        meta = PeerMetadata(instance=self.instance, saves=self._step_saves,
-                            loads=self._step_loads)
+        meta = PeerMetadata(instance=self.instance, reused=self._step_reused,
+                            saves=self._step_saves, loads=self._step_loads)
         if meta.saves:
             meta.save_id = f"peer-{self._next_save}"
             self._next_save += 1
             self._pending[meta.save_id] = self._step_published
-        self._step_saves, self._step_published, self._step_loads = [], [], []
+        self._step_reused, self._step_saves, self._step_published = [], [], []
+        self._step_loads = []
         return meta
 
     def update_connector_output(self, kv_connector_output: Any) -> None:
@@ -301,89 +322,107 @@ class PeerKVConnector(KVConnectorBase):
         self.cache = kv_cache
         if not self.produces:
             return
-        from mpexec.models.kv_connector.slab import BlockSlab, SlabShape
+        from mpexec.models.kv_connector.shared_cache import SharedCache
 
-        tensor = kv_cache.tensor
-        shape = SlabShape(layers=tuple(kv_cache.layer_range), heads=tuple(kv_cache.kv_head_range),
-                          num_slots=self.num_slots, block_size=self.config.block_size,
-                          head_dim=int(tensor.shape[-1]),
-                          dtype=str(tensor.dtype).removeprefix("torch."))
-        self.slab = BlockSlab.create(shape)
+        self.shared = SharedCache.create(kv_cache)  # the cache's tensor is now shared
         self._server = PeerServer(worker_endpoint(self.endpoint, self.rank), self._secret,
                                   self._serve_shard, f"KV shard server {self.rank}")
 
-    def wait_for_save(self) -> None:
-        meta = self._metadata
-        if not isinstance(meta, PeerMetadata) or not self.produces:
-            return
-        self._worker_instance = meta.instance  # known before any block is offered
-        if not meta.saves:
-            return
-        self.slab.write(self.cache.tensor, meta.saves)
-        self._finished_sending.add(meta.save_id)
-
-    def _serve_shard(self, kind: int, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        slab = self.slab
-        if kind == KIND_DESCRIBE:
-            ref = slab.ref()
-            return {"instance": self._worker_instance, "shape": slab.shape.to_dict(),
-                    "segment": [ref.pid, ref.fd, ref.inode, ref.size]}, []
-        if kind != KIND_FETCH:
-            raise ValueError(f"unexpected request kind {kind}")
-        return self._fetch(request)
-
-    def _fetch(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        """The slots' bytes for the asked layers and heads, gathered into one buffer."""
-        import torch
-
-        from mpexec.models.kv_connector.slab import runs
-
-        slab = self.slab
-        slots, gens = list(request["slots"]), list(request["gens"])
-        (lo, hi), (ho, hj) = request["layers"], request["heads"]
-        (l0, l1), (h0, h1) = slab.shape.layers, slab.shape.heads
-        if not (l0 <= lo < hi <= l1 and h0 <= ho < hj <= h1):
-            raise ValueError("layers or heads outside this shard")
-        size = slab.shape.block_size
-        data = slab.data[lo - l0:hi - l0, :, :, ho - h0:hj - h0]
-        out = torch.empty((hi - lo, 2, len(slots) * size, hj - ho, slab.shape.head_dim),
-                          dtype=slab.data.dtype)
-        if not slab.whole(slots, gens):
-            return {"ok": False}, []
-        for slot, index, count in runs([(s, i) for i, s in enumerate(slots)]):
-            out[:, :, index * size:(index + count) * size].copy_(
-                data[:, :, slot * size:(slot + count) * size])
-        if not slab.whole(slots, gens):
-            return {"ok": False}, []
-        return {"ok": True}, [out.view(-1).view(torch.uint8).numpy()]
-
-    # -- worker side: consumer -------------------------------------------------------
-
     def start_load_kv(self) -> None:
         meta = self._metadata
-        if not isinstance(meta, PeerMetadata) or not meta.loads:
+        if not isinstance(meta, PeerMetadata):
+            return
+        if self.produces:
+            self._worker_instance = meta.instance  # known before any block is offered
+            if meta.reused:  # before the forward may write them
+                self.shared.set_generations(meta.reused)
             return
         for load in meta.loads:
             if not self._load(load):
                 self._invalid.update(load.block_ids)
             self._finished_recving.add(load.req_id)
 
+    def wait_for_save(self) -> None:
+        meta = self._metadata
+        if not isinstance(meta, PeerMetadata) or not self.produces or not meta.saves:
+            return
+        self.shared.set_generations(meta.saves)  # the forward wrote them: whole
+        self._finished_sending.add(meta.save_id)
+
+    def _serve_shard(self, kind: int, request: dict[str, Any]) -> Any:
+        shared = self.shared
+        if kind == KIND_DESCRIBE:
+            ref = shared.ref()
+            return {"instance": self._worker_instance, "shape": shared.shape.to_dict(),
+                    "segment": [ref.pid, ref.fd, ref.inode, ref.size]}, []
+        if kind != KIND_FETCH:
+            raise ValueError(f"unexpected request kind {kind}")
+        return self._fetch(request)
+
+    def _fetch(self, request: dict[str, Any]) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+        """The blocks' bytes for the asked layers and heads, a few planes per reply.
+
+        A *plane* is one layer's K or V of the asked blocks and heads; the
+        planes of ``layers`` are numbered layer-major (``2 * layer + kv``).
+        Each chunk is gathered into a buffer of its own between two
+        generation checks (the cache may be overwritten once they passed; a
+        buffer handed to ZeroMQ is not).
+        """
+        import torch
+
+        from mpexec.models.kv_connector.shared_cache import runs
+
+        shared = self.shared
+        blocks, gens = list(request["blocks"]), list(request["gens"])
+        (lo, hi), (ho, hj) = request["layers"], request["heads"]
+        (l0, l1), (h0, h1) = shared.shape.layers, shared.shape.heads
+        if not (l0 <= lo < hi <= l1 and h0 <= ho < hj <= h1):
+            raise ValueError("layers or heads outside this shard")
+        if any(not 0 <= b < shared.shape.num_blocks - 1 for b in blocks):
+            raise ValueError("a block outside this cache")
+        size = shared.shape.block_size
+        tokens = len(blocks) * size
+        source = shared.data[lo - l0:hi - l0, :, :, ho - h0:hj - h0]
+        source = source.view(-1, *source.shape[2:])  # [planes, slots, heads, head_dim]
+        planes = source.shape[0]
+        plane_bytes = tokens * (hj - ho) * shared.shape.head_dim * shared.data.element_size()
+        step = max(1, CHUNK_BYTES // max(plane_bytes, 1))
+        pairs = list(runs([(b, i) for i, b in enumerate(blocks)]))
+        for first in range(0, planes, step):
+            last = min(first + step, planes)
+            out = torch.empty((last - first, tokens, *source.shape[2:]), dtype=source.dtype)
+            if not shared.whole(blocks, gens):
+                yield {"ok": False}, []
+                return
+            for block, index, count in pairs:
+                out[:, index * size:(index + count) * size].copy_(
+                    source[first:last, block * size:(block + count) * size])
+            if not shared.whole(blocks, gens):
+                yield {"ok": False}, []
+                return
+            reply: dict[str, Any] = {"ok": True, "planes": [first, last]}
+            if last < planes:
+                reply["more"] = True
+            yield reply, [out.view(-1).view(torch.uint8).numpy()]
+
+    # -- worker side: consumer -------------------------------------------------------
+
     def _shard(self, endpoint: str, instance: str) -> _Shard | None:
         """Producer worker ``endpoint`` of run ``instance``, described (and mapped)."""
         shard = self._shards.get(endpoint)
         if shard is not None and shard.instance == instance:
             return shard
-        if shard is not None and shard.slab is not None:
-            shard.slab.close()
+        if shard is not None and shard.cache is not None:
+            shard.cache.close()
         self._shards.pop(endpoint, None)
-        from mpexec.models.kv_connector.slab import BlockSlab, SlabShape
+        from mpexec.models.kv_connector.shared_cache import CacheShape, SharedCache
 
         reply, _ = self._client(endpoint).request(KIND_DESCRIBE, {}, self.timeout_s)
         if reply.get("instance") != instance:
             raise ValueError(f"{endpoint} serves another producer run")
-        shard = _Shard(instance, SlabShape.from_dict(reply["shape"]))
+        shard = _Shard(instance, CacheShape.from_dict(reply["shape"]))
         if self.transport == "shm":
-            shard.slab = BlockSlab.attach(SegmentRef(*reply["segment"]), shard.shape)
+            shard.cache = SharedCache.attach(SegmentRef(*reply["segment"]), shard.shape)
         self._shards[endpoint] = shard
         return shard
 
@@ -408,9 +447,11 @@ class PeerKVConnector(KVConnectorBase):
                 if (shape.block_size != self.config.block_size
                         or shape.dtype != str(self.cache.tensor.dtype).removeprefix("torch.")):
                     raise ValueError("the producer's block size or dtype differs")
+                if any(not 0 <= b < shape.num_blocks - 1 for b in load.sources):
+                    raise ValueError("a block outside the producer's cache")
                 copied = self._copy_shm(shard, load, (lo, hi), (ho, hj)) \
-                    if shard.slab is not None else self._copy_zmq(endpoint, load, (lo, hi),
-                                                                   (ho, hj))
+                    if shard.cache is not None else self._copy_zmq(endpoint, load, (lo, hi),
+                                                                    (ho, hj))
             except (TimeoutError, OSError, ValueError, KeyError) as exc:
                 self._dead_until[endpoint] = time.monotonic() + RETRY_S
                 logger.warning("KV load of %s from %s failed: %s", load.req_id, endpoint, exc)
@@ -427,44 +468,54 @@ class PeerKVConnector(KVConnectorBase):
 
     def _copy_shm(self, shard: _Shard, load: PeerLoad, layers: tuple[int, int],
                   heads: tuple[int, int]) -> bool:
-        from mpexec.models.kv_connector.slab import runs
+        """One copy per run of blocks, the producer's cache -> ours, between generation checks."""
+        from mpexec.models.kv_connector.shared_cache import runs
 
-        slab, size = shard.slab, self.config.block_size
+        peer, size = shard.cache, self.config.block_size
         (l0, _), (h0, _) = shard.shape.layers, shard.shape.heads
-        source = slab.data[layers[0] - l0:layers[1] - l0, :, :, heads[0] - h0:heads[1] - h0]
+        source = peer.data[layers[0] - l0:layers[1] - l0, :, :, heads[0] - h0:heads[1] - h0]
         target = self._target(layers, heads)
-        if not slab.whole(load.slots, load.gens):
+        if not peer.whole(load.sources, load.gens):
             return False
-        for slot, block, count in runs(list(zip(load.slots, load.block_ids, strict=True))):
+        for first, block, count in runs(list(zip(load.sources, load.block_ids, strict=True))):
             target[:, :, block * size:(block + count) * size].copy_(
-                source[:, :, slot * size:(slot + count) * size])
-        return bool(slab.whole(load.slots, load.gens))
+                source[:, :, first * size:(first + count) * size])
+        return bool(peer.whole(load.sources, load.gens))
 
     def _copy_zmq(self, endpoint: str, load: PeerLoad, layers: tuple[int, int],
                   heads: tuple[int, int]) -> bool:
+        """The blocks fetched in chunks of planes (see :meth:`_fetch`), each copied
+        in as it arrives, while the next one is hashed and sent."""
         import torch
 
-        from mpexec.models.kv_connector.slab import runs
+        from mpexec.models.kv_connector.shared_cache import runs
 
-        reply, parts = self._client(endpoint).request(
-            KIND_FETCH, {"slots": load.slots, "gens": load.gens, "layers": list(layers),
-                         "heads": list(heads)}, self.timeout_s)
-        if not reply.get("ok") or len(parts) != 1:
-            return False
         target = self._target(layers, heads)
+        target = target.view(-1, *target.shape[2:])  # [planes, slots, heads, head_dim]; no copy
         size = self.config.block_size
-        shape = (layers[1] - layers[0], 2, len(load.slots) * size, heads[1] - heads[0],
-                 target.shape[-1])
-        with warnings.catch_warnings():  # a received frame is read-only; it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(parts[0], dtype=target.dtype)
-        if data.numel() != shape[0] * shape[1] * shape[2] * shape[3] * shape[4]:
-            return False
-        data = data.view(shape)
-        for index, block, count in runs([(i, b) for i, b in enumerate(load.block_ids)]):
-            target[:, :, block * size:(block + count) * size].copy_(
-                data[:, :, index * size:(index + count) * size])
-        return True
+        tokens = len(load.sources) * size
+        plane = tokens * target.shape[2] * target.shape[3]
+        pairs = list(runs([(i, b) for i, b in enumerate(load.block_ids)]))
+        done = 0
+        for reply, parts in self._client(endpoint).stream(
+                KIND_FETCH, {"blocks": load.sources, "gens": load.gens, "layers": list(layers),
+                             "heads": list(heads)}, self.timeout_s):
+            if not reply.get("ok") or len(parts) != 1:
+                return False
+            first, last = (int(x) for x in reply["planes"])
+            if first != done or not first < last <= target.shape[0]:
+                return False
+            with warnings.catch_warnings():  # a received frame is read-only; it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(parts[0], dtype=target.dtype)
+            if data.numel() != (last - first) * plane:
+                return False
+            data = data.view(last - first, tokens, *target.shape[2:])
+            for index, block, count in pairs:
+                target[first:last, block * size:(block + count) * size].copy_(
+                    data[:, index * size:(index + count) * size])
+            done = last
+        return done == target.shape[0]
 
     def get_finished(self) -> tuple[set[str], set[str], set[int]]:
         done = (self._finished_sending, self._finished_recving, self._invalid)
@@ -479,9 +530,9 @@ class PeerKVConnector(KVConnectorBase):
             client.close()
         self._clients.clear()
         for shard in self._shards.values():
-            if shard.slab is not None:
-                shard.slab.close()
+            if shard.cache is not None:
+                shard.cache.close()
         self._shards.clear()
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
