@@ -189,7 +189,11 @@ class Segment:
             self.fd = -1
 
     def close(self) -> None:
-        """Unmap and close; views still held elsewhere keep the memory alive."""
+        """Unmap and close.  A view that holds a buffer export (a memoryview or
+        numpy array of ``bytes``) keeps the memory mapped until it goes; a
+        tensor from ``torch.frombuffer`` holds no export and would be left on
+        unmapped memory: a segment under such a tensor is let go
+        (:meth:`let_go`), not closed."""
         with self._lock:
             if self.closed:
                 return
