@@ -4,7 +4,8 @@ Prints three tables from one run::
 
     python benchmarks/bench_parallel.py [--model default] [--requests 64] [--prompt-len 128]
                                         [--max-tokens 64] [--data-parallel-size 2]
-                                        [--threads 1] [--parts dense,moe,failover]
+                                        [--threads 1] [--async-scheduling]
+                                        [--parts dense,moe,failover]
 
 1. dense (the default model, SmolLM2-135M): output tokens/s of ``--requests``
    requests (``--prompt-len`` prompt tokens, ``--max-tokens`` output tokens,
@@ -105,6 +106,7 @@ def dense(args: argparse.Namespace) -> None:
         # every layout; only the layout differs.
         with LLM(args.model, tensor_parallel_size=tp, data_parallel_size=dp,
                  num_threads=args.threads, max_num_seqs=max(64, args.requests),
+                 async_scheduling=args.async_scheduling,
                  max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
             timed(llm, batch[:2], SamplingParams(max_tokens=4))  # warm-up
             steps = llm.engine.stats.steps
@@ -126,7 +128,8 @@ def dense(args: argparse.Namespace) -> None:
                          f"{bound:.1f}", f"{bound / cpu_base:.2f}x"])
         print(f"# dense {name} done", file=sys.stderr, flush=True)
     print(render(f"1. dense {args.model}: {args.requests} requests x {args.prompt_len} prompt "
-                 f"x {args.max_tokens} output tokens, {args.threads} thread(s) per worker "
+                 f"x {args.max_tokens} output tokens, {args.threads} thread(s) per worker"
+                 f"{', async scheduling' if args.async_scheduling else ''} "
                  "(target DP=2 >= 1.7x TP=1)",
                  ["layout", "output tok/s", "vs TP=1", "seconds", "load avg before"], rows))
     print(render("   where the CPU went in the same runs (driver: this process, which "
@@ -269,6 +272,9 @@ def main() -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker (1: the layouts compare fairly)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="dense part: every layout schedules its next step while the "
+                             "current one runs")
     parser.add_argument("--moe-batch", type=int, default=8)
     parser.add_argument("--moe-tokens", type=int, default=32)
     parser.add_argument("--failover-requests", type=int, default=16)
