@@ -23,7 +23,9 @@ Prints three tables from one run::
    top-2, hidden 512, 4 layers, random weights) - decode tokens/s of a batch
    of ``--moe-batch`` requests on mpexec TP=1 against transformers'
    ``generate`` in this process with the same thread count (target >= 1.2x),
-   and TP=2 against EP=2 (experts split whole across the two ranks);
+   and TP=2 against EP=2 (experts split whole across the two ranks), with
+   each engine's CPU seconds (mpexec: driver and workers together), which
+   other load disturbs less than its wall time;
 3. failover: DP=2 with ``replica_restart``; one replica's worker is SIGKILLed
    (dead), then in a second run SIGSTOPped (hung: the executor's stall watch
    kills it after ``worker_stopped_timeout_s``), when a quarter of the tokens
