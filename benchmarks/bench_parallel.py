@@ -4,18 +4,28 @@ Prints three tables from one run::
 
     python benchmarks/bench_parallel.py [--model default] [--requests 64] [--prompt-len 128]
                                         [--max-tokens 64] [--data-parallel-size 2]
-                                        [--threads 1] [--parts dense,moe,failover]
+                                        [--threads 1] [--async-scheduling]
+                                        [--parts dense,moe,failover]
 
 1. dense (the default model, SmolLM2-135M): output tokens/s of ``--requests``
    requests (``--prompt-len`` prompt tokens, ``--max-tokens`` output tokens,
    EOS ignored) arriving at once, on TP=1, TP=2 and DP=N x TP=1, one
    intra-op thread per worker; target DP=2 >= 1.7x TP=1 (each replica needs
-   a core of its own: on a loaded or small machine it cannot get there);
+   a core of its own: on a loaded or small machine it cannot get there).
+   A second table says where the CPU went in the same runs: the driver's
+   CPU per replica step (this process schedules every replica), each
+   worker's CPU, and the "bound": tokens / the busiest worker's CPU
+   seconds, the rate the layout would reach with a core per worker and a
+   free driver.  DP's bound falls short of 2x TP=1's because a replica's
+   decode batch is half as large, and one thread's float32 matmuls are
+   less efficient per row at 32 rows than at 64;
 2. mixture of experts: a Mixtral built here with transformers (8 experts,
    top-2, hidden 512, 4 layers, random weights) - decode tokens/s of a batch
    of ``--moe-batch`` requests on mpexec TP=1 against transformers'
    ``generate`` in this process with the same thread count (target >= 1.2x),
-   and TP=2 against EP=2 (experts split whole across the two ranks);
+   and TP=2 against EP=2 (experts split whole across the two ranks), with
+   each engine's CPU seconds (mpexec: driver and workers together), which
+   other load disturbs less than its wall time;
 3. failover: DP=2 with ``replica_restart``; one replica's worker is SIGKILLed
    (dead), then in a second run SIGSTOPped (hung: the executor's stall watch
    kills it after ``worker_stopped_timeout_s``), when a quarter of the tokens
@@ -43,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from harness import render  # noqa: E402
+from harness import proc_cpu_s, render  # noqa: E402
 
 from mpexec.engine.llm import LLM  # noqa: E402
 from mpexec.outputs import SamplingParams  # noqa: E402
@@ -66,26 +76,69 @@ def timed(llm: LLM, batch: list[dict[str, Any]], params: SamplingParams,
     return time.perf_counter() - started, outputs
 
 
+def worker_pids(llm: LLM) -> list[int]:
+    """The model workers' pids, replica by replica."""
+    engine = llm.engine
+    replicas = getattr(engine, "replicas", [engine])
+    return [w.proc.pid for replica in replicas for w in replica.executor.workers]
+
+
+class CpuWindow:
+    """CPU seconds of this process (the driver) and of each worker over a window."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.driver = time.process_time()
+        self.workers = [proc_cpu_s(pid) for pid in pids]
+
+    def stop(self) -> tuple[float, list[float]]:
+        return (time.process_time() - self.driver,
+                [proc_cpu_s(pid) - start for pid, start in zip(self.pids, self.workers,
+                                                                 strict=True)])
+
+
 def dense(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = prompts(args.requests, args.prompt_len, 20000)
-    rows, base = [], None
+    rows, cpu_rows, base, cpu_base = [], [], None, None
     for name, tp, dp in (("TP=1", 1, 1), ("TP=2", 2, 1),
                          (f"DP={args.data_parallel_size} x TP=1", 1, args.data_parallel_size)):
         before = load()
+        # The same requests, warm-up, mp executor and threads per worker in
+        # every layout; only the layout differs.
         with LLM(args.model, tensor_parallel_size=tp, data_parallel_size=dp,
                  num_threads=args.threads, max_num_seqs=max(64, args.requests),
+                 async_scheduling=args.async_scheduling,
                  max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
             timed(llm, batch[:2], SamplingParams(max_tokens=4))  # warm-up
+            steps = llm.engine.stats.steps
+            window = CpuWindow(worker_pids(llm))
             seconds, outputs = timed(llm, batch, params)
-        tok_s = sum(len(o.token_ids) for o in outputs) / seconds
+            driver_s, workers_s = window.stop()
+            steps = llm.engine.stats.steps - steps  # replica steps, summed over replicas
+        tokens = sum(len(o.token_ids) for o in outputs)
+        tok_s = tokens / seconds
         base = base or tok_s
         rows.append([name, f"{tok_s:.1f}", f"{tok_s / base:.2f}x", f"{seconds:.1f}", before])
+        # Each worker on a core of its own and the driver free: the rate the
+        # busiest worker's CPU time allows (what the layout could reach here).
+        bound = tokens / max(workers_s)
+        cpu_base = cpu_base or bound
+        cpu_rows.append([name, str(steps), f"{1000 * driver_s / steps:.1f}",
+                         f"{1000 * sum(workers_s) / steps:.0f}",
+                         " + ".join(f"{w:.1f}" for w in workers_s), f"{driver_s:.1f}",
+                         f"{bound:.1f}", f"{bound / cpu_base:.2f}x"])
         print(f"# dense {name} done", file=sys.stderr, flush=True)
     print(render(f"1. dense {args.model}: {args.requests} requests x {args.prompt_len} prompt "
-                 f"x {args.max_tokens} output tokens, {args.threads} thread(s) per worker "
+                 f"x {args.max_tokens} output tokens, {args.threads} thread(s) per worker"
+                 f"{', async scheduling' if args.async_scheduling else ''} "
                  "(target DP=2 >= 1.7x TP=1)",
                  ["layout", "output tok/s", "vs TP=1", "seconds", "load avg before"], rows))
+    print(render("   where the CPU went in the same runs (driver: this process, which "
+                 "schedules every replica; bound: tokens / the busiest worker's CPU s)",
+                 ["layout", "replica steps", "driver CPU ms/step", "worker CPU ms/step",
+                  "worker CPU s", "driver CPU s", "bound tok/s", "bound vs TP=1"],
+                 cpu_rows))
     print()
 
 
@@ -122,10 +175,13 @@ def moe(args: argparse.Namespace) -> None:
             with LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=ep,
                      num_threads=args.threads, max_model_len=256) as llm:
                 timed(llm, batch[:1], SamplingParams(max_tokens=2))
+                window = CpuWindow(worker_pids(llm))
                 seconds, outputs = timed(llm, batch, params)
+                driver_s, workers_s = window.stop()
             results[name] = [o.token_ids for o in outputs]
+            cpu_s = driver_s + sum(workers_s)
             rows.append([name, f"{args.moe_batch * new / seconds:.1f}", f"{seconds:.2f}",
-                         before])
+                         f"{cpu_s:.2f}", f"{args.moe_batch * new / cpu_s:.1f}", before])
             print(f"# moe {name} done", file=sys.stderr, flush=True)
         torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -133,18 +189,22 @@ def moe(args: argparse.Namespace) -> None:
         before = load()
         with torch.no_grad():
             model.generate(ids[:1], max_new_tokens=2, do_sample=False)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
             seconds = time.perf_counter() - started
+            cpu_s = time.process_time() - cpu_started
         hf_tokens = out[:, ids.shape[1]:].tolist()
         rows.append(["transformers (same threads)", f"{args.moe_batch * new / seconds:.1f}",
-                     f"{seconds:.2f}", before])
+                     f"{seconds:.2f}", f"{cpu_s:.2f}", f"{args.moe_batch * new / cpu_s:.1f}",
+                     before])
     same = all(results[n] == results["mpexec TP=1"] for n in results)
     agree = sum(a == b for a, b in zip(results["mpexec TP=1"], hf_tokens, strict=True))
     print(render(f"2. MoE (Mixtral 8 experts top-2, hidden 512, 4 layers, random): batch "
                  f"{args.moe_batch} x 32 prompt x {new} new tokens, {args.threads} thread(s) "
-                 "per worker (target mpexec TP=1 >= 1.2x transformers)",
-                 ["engine", "tok/s", "seconds", "load avg before"], rows))
+                 "per worker (target mpexec TP=1 >= 1.2x transformers; CPU s: driver and "
+                 "workers together)",
+                 ["engine", "tok/s", "seconds", "CPU s", "tok per CPU s", "load avg before"],
+                 rows))
     print(f"# greedy tokens: TP=2 and EP=2 equal TP=1: {same}; TP=1 equals transformers on "
           f"{agree}/{len(hf_tokens)} requests")
     print()
@@ -214,6 +274,9 @@ def main() -> None:
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker (1: the layouts compare fairly)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="dense part: every layout schedules its next step while the "
+                             "current one runs")
     parser.add_argument("--moe-batch", type=int, default=8)
     parser.add_argument("--moe-tokens", type=int, default=32)
     parser.add_argument("--failover-requests", type=int, default=16)
