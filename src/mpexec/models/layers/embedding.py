@@ -14,7 +14,8 @@ the head's weight (any ``quantized.Weight``).  A packed head's results
 carry bfloat16 rounding (up to 1/16 on a logit of 20); given ``exact_rows``
 (the same rows, readable one by one), each row's ``RESCORED`` highest
 logits are computed again in float32 from them, so the greedy choice and
-the top logits are those of the stored weights.
+the top logits are those of the stored weights (the head's own call then
+rounds its input once, ``split=False``: it only has to find them).
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class ParallelLMHead:
         self.exact_rows = exact_rows
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = matmul(hidden, self.weight).float()
+        if self.exact_rows is None or isinstance(self.weight, torch.Tensor):
+            logits = matmul(hidden, self.weight).float()
+        else:
+            # the top logits are computed again below: x rounded once to
+            # bfloat16 is enough to find them (and half the kernel's rows)
+            logits = self.weight(hidden, split=False).float()
         if self.exact_rows is not None and logits.shape[-1]:
             # per row, elementwise then summed: a row's numbers do not depend
             # on the other rows of the step

@@ -50,12 +50,14 @@ _ROW_TILE = 16
 SPLIT_ROWS = 64  # steps of at most this many rows pass x as bfloat16 high + low
 
 
-def _kernel_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
+def _kernel_input(x: torch.Tensor, in_features: int,
+                  split: bool = True) -> tuple[torch.Tensor, int]:
     """``x`` as the kernel's bfloat16 rows: ``[high; low]`` for a step of up to
-    ``SPLIT_ROWS`` rows, else rounded once; and the number of rows of ``x``."""
+    ``SPLIT_ROWS`` rows (and ``split``), else rounded once; and the number of
+    rows of ``x``."""
     flat = x.reshape(-1, in_features)
     count = flat.shape[0]
-    if count > SPLIT_ROWS:
+    if count > SPLIT_ROWS or not split:
         return flat.to(_KERNEL_DTYPE), count
     wide = flat.float()
     high = wide.to(_KERNEL_DTYPE)
@@ -95,8 +97,8 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zeros.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features)
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        rows, count = _kernel_input(x, self.in_features, split)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
                                                          self.scale_zeros)
         if out.shape[-1] != self.out_features:
@@ -122,8 +124,8 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features)
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        rows, count = _kernel_input(x, self.in_features, split)
         out = _kernel_output(torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale), count)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -160,9 +162,9 @@ class Int8GroupWeight:
     def nbytes(self) -> int:
         return self.high.nbytes + self.low.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
         wide = x.float()
-        return (self.high(wide) + self.low(wide)).to(x.dtype)
+        return (self.high(wide, split) + self.low(wide, split)).to(x.dtype)
 
 
 class GroupRows:
