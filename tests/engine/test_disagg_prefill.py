@@ -80,7 +80,7 @@ def test_unfinished_or_broken_blocks_are_recomputed(tiny_checkpoint: Path, tmp_p
     for prompt in PROMPTS:
         hashes: list[bytes] = []
         extend_hashes(hashes, prompt["prompt_token_ids"], 4,
-                      root_hash(f"{tiny_checkpoint}|auto|none"))  # model|dtype|quantization
+                      root_hash(f"{tiny_checkpoint}|auto|auto"))  # model|dtype|quantization
         chains.append([next(tmp_path.rglob(h.hex())) for h in hashes])
     # a producer that died mid-way: the second half of one prompt's blocks never
     # got their marker

@@ -11,6 +11,7 @@ order gives differences of the order of the logits.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from tests.models.model_run_support import run_ranks  # noqa: E402
-from tests.models.test_model_layers import CPU, new_cache, run  # noqa: E402
+from tests.models.test_model_layers import BLOCK, CPU, new_cache, run  # noqa: E402
 
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
 from mpexec.models.layers.quantized import (  # noqa: E402
@@ -243,14 +244,15 @@ def test_safetensors_stay_float_under_auto(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_packed_follows_the_dequantised_greedy_tokens(smollm2_gguf: Path) -> None:
-    """The packed model runs at bfloat16 precision in its linears (differences
-    up to 0.67 on logits of ~20, 0.2-0.4 typical), so a greedy choice between two tokens whose
-    dequantised logits lie closer than that can go either way: measured, one
-    of three 16-token continuations flips at its 14th token (a 0.14 margin).
-    Teacher-forced on the dequantised model's greedy tokens, every step must
-    pick the same token or one within ``near_tie`` of it, with logits within
-    1.0 everywhere (5 % of the top logits); at most two steps may differ."""
-    near_tie = 0.6
+    """The packed model's linears round their results to bfloat16 (logits
+    differ by up to 0.73 on logits of ~20, measured over 48 tokens of seven
+    prompts; the top token's by up to 0.27), so a greedy choice between two
+    tokens whose dequantised logits lie closer than that can go either way.
+    Teacher-forced on the dequantised model's greedy tokens, logits must stay
+    within 1.0 (5 % of the top logits) and every step pick the same token:
+    measured, these three continuations agree for 16 tokens (the third
+    differs at its 17th; with activations rounded once to bfloat16, at its
+    14th, on a 0.14 margin)."""
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a small village,"]
     with open_checkpoint(smollm2_gguf) as checkpoint:
@@ -265,23 +267,46 @@ def test_smollm2_packed_follows_the_dequantised_greedy_tokens(smollm2_gguf: Path
         got_logits, _ = greedy_run(packed, prompt, tokens)
         torch.testing.assert_close(got_logits, want_logits, atol=1.0, rtol=0)
         for got, want in zip(got_logits, want_logits, strict=True):
-            choice = int(got.argmax())
-            assert want.max() - want[choice] < near_tie
-            agree += choice == int(want.argmax())
+            agree += int(got.argmax()) == int(want.argmax())
             steps += 1
-    assert agree >= steps - 2, f"{agree} of {steps} steps agree"
+    assert agree == steps, f"{agree} of {steps} steps agree"
 
 
-def greedy_run(stage: LlamaStage, prompt: list[int],
-               forced: list[int] | None) -> tuple[Any, list[int]]:
-    """16 decode steps (``forced`` tokens, else greedy): each step's logits, the tokens."""
-    cache = new_cache(stage, blocks=16)
-    blocks = list(range(16))
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_packed_gives_the_demo_answers_of_the_dequantised_model(
+        smollm2_gguf: Path) -> None:
+    """The demo's four questions, 48 greedy tokens each (the demo's
+    max_tokens): packed weights (the default) answer word for word as the
+    dequantised ones.  Before activations went to the kernels as bfloat16
+    high + low parts and the head's top logits were re-scored exactly, two
+    of the four answers changed (the first at its first token: "L'Étoile…"
+    instead of "The capital of France is Paris.")."""
+    from mpexec.cli.common import DEMO_CONVERSATIONS
+
+    with open_checkpoint(smollm2_gguf) as checkpoint:
+        tokenizer = checkpoint.tokenizer()
+        prompts = [tokenizer.apply_chat_template(c) for c in DEMO_CONVERSATIONS]
+    dense = build(smollm2_gguf, "none")
+    want = [greedy_run(dense, prompt, None, steps=48)[1] for prompt in prompts]
+    del dense
+    packed = build(smollm2_gguf, "auto")
+    got = [greedy_run(packed, prompt, None, steps=48)[1] for prompt in prompts]
+    assert [tokenizer.decode(t) for t in got] == [tokenizer.decode(t) for t in want]
+    assert got == want
+
+
+def greedy_run(stage: LlamaStage, prompt: list[int], forced: list[int] | None,
+               steps: int = 16) -> tuple[Any, list[int]]:
+    """``steps`` decode steps (``forced`` tokens, else greedy): each step's
+    logits, the tokens."""
+    blocks = list(range(-(-(len(prompt) + steps) // BLOCK)))
+    cache = new_cache(stage, blocks=len(blocks))
     rows = [run(stage, cache, [(prompt, blocks, 0)])[-1]]
     tokens: list[int] = []
-    for step in range(16):
+    for step in range(steps):
         tokens.append(forced[step] if forced is not None else int(rows[-1].argmax()))
-        if step < 15:
+        if step < steps - 1:
             rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0])
     return torch.stack(rows), tokens
 
@@ -294,9 +319,9 @@ def test_the_command_line_passes_quantization_to_the_llm(command: str,
     from mpexec.engine import llm as llm_module
 
     parser = build_parser()
-    args = parser.parse_args([command, "--quantization", "auto"])
-    assert args.quantization == "auto"
-    assert parser.parse_args([command]).quantization == "none"  # packing is opt-in
+    args = parser.parse_args([command, "--quantization", "none"])
+    assert args.quantization == "none"
+    assert parser.parse_args([command]).quantization == "auto"  # packed by default
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--quantization", "int3"])
     seen: dict[str, Any] = {}
@@ -308,7 +333,7 @@ def test_the_command_line_passes_quantization_to_the_llm(command: str,
     monkeypatch.setattr(llm_module, "LLM", Recorder)
     args.log_level = "warning"  # set by mpexec.cli.main
     start_llm(args, 1, 1)
-    assert seen["quantization"] == "auto"
+    assert seen["quantization"] == "none"
 
 
 def test_llm_refuses_an_unknown_quantization_before_starting_workers() -> None:
@@ -353,7 +378,8 @@ def test_the_demo_runs_the_default_quantization(monkeypatch: pytest.MonkeyPatch)
         def __init__(self, model: str, **kwargs: Any) -> None:
             seen.update(kwargs)
 
+    default = inspect.signature(llm_module.LLM).parameters["quantization"].default
     monkeypatch.setattr(llm_module, "LLM", Recorder)
     args.log_level = "warning"
     start_llm(args, 1, 1)
-    assert seen["quantization"] == "none"
+    assert seen["quantization"] == default == "auto"

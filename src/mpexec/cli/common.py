@@ -83,11 +83,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length (default: the checkpoint's)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--quantization", default="none", choices=("auto", "none"),
-                        help="quantised GGUF weights: dequantised to --dtype at load "
-                        "(none, the default: tokens equal to transformers) or kept packed "
-                        "on CPU (auto: faster decode, bfloat16 activations in the "
-                        "matmuls, so a near-tied greedy choice may differ)")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none"),
+                        help="quantised GGUF weights: kept packed on CPU (auto, the "
+                        "default: int4/int8 kernels, faster decode; results rounded to "
+                        "bfloat16, so a nearly tied greedy choice may differ) or "
+                        "dequantised to --dtype at load (none: tokens equal to "
+                        "transformers)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

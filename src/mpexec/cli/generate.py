@@ -161,7 +161,7 @@ def start_llm(args: argparse.Namespace, tp: int, pp: int) -> Any:
                    decode_context_parallel_size=getattr(args, "decode_context_parallel_size", 1),
                    prefill_context_parallel_size=getattr(args, "prefill_context_parallel_size", 1),
                    executor_backend=args.backend, dtype=getattr(args, "dtype", "auto"),
-                   quantization=getattr(args, "quantization", "none"),
+                   quantization=getattr(args, "quantization", "auto"),
                    seed=getattr(args, "seed", 0),
                    async_scheduling=getattr(args, "async_scheduling", False),
                    max_model_len=getattr(args, "max_model_len", None),

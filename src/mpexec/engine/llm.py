@@ -117,7 +117,7 @@ class LLM:
         master_port: int = 0,
         executor_backend: str | type = "mp",
         dtype: str = "auto",
-        quantization: str = "none",
+        quantization: str = "auto",
         seed: int = 0,
         async_scheduling: bool = False,
         max_model_len: int | None = None,

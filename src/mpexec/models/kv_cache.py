@@ -16,10 +16,19 @@ Per step, :func:`build_attention_batch` turns the scheduled requests into
 one :class:`AttentionBatch` that every layer shares:
 
 - ``slot_mapping`` ``[T]``: where each new token's K/V is written;
-- the decode rows (one new token each) attend together, as one padded batch
-  over their cached slots (``decode_slots`` ``[B, L]``, padding pointing at
-  the request's own first slot and masked off, so no uninitialised memory
-  is ever read);
+- the decode rows (one new token each) attend over their cached slots
+  (``decode_slots`` ``[C, L]``, one context per decode request, padding
+  pointing at the request's own first slot so no uninitialised memory is
+  ever read); rows of one length attend as one batch, rows of differing
+  lengths each over exactly its own context (``decode_split``), so a row's
+  numbers never depend on what else is in the batch;
+- a *verified* chunk (``ScheduledRequest.verify``: a decode token and its
+  draft tokens) attends as decode rows too, row ``j`` over the first
+  ``start + 1 + j`` slots of the request's one context: each row computes
+  exactly what a plain one-token decode step at that position would, so
+  drafts never change a greedy choice (a masked multi-row attention sums in
+  another order, and a difference in the last bit is enough to flip a
+  bfloat16 rounding downstream);
 - each prefill chunk attends on its own: causally over its own K/V when it
   is the whole context (``context_slots is None``), else over the gathered
   context with a mask that lets query ``i`` see positions up to
@@ -51,6 +60,7 @@ class ScheduledRequest:
     block_ids: list[int]
     start: int  # position of the first new token (tokens already cached)
     num_tokens: int
+    verify: bool = False  # a decode token and its drafts: each row attends as a decode row
 
 
 @dataclass
@@ -66,11 +76,15 @@ class PrefillSpan:
 class AttentionBatch:
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor | None  # None: every row is a decode row, in order
-    decode_slots: torch.Tensor | None  # [B, L]
+    decode_slots: torch.Tensor | None  # [C, L]: one context per decode request
     decode_mask: torch.Tensor | None  # [B, 1, 1, L]; None when no padding
     prefills: list[PrefillSpan]
     num_tokens: int
     decode_lengths: torch.Tensor | None = None  # [B] context length of each decode row
+    # per decode row (its context in decode_slots, its length); None when
+    # every row is its own context and all have one length (one batched call)
+    decode_split: list[tuple[int, int]] | None = None
+    window: int | None = None  # the sliding window decode_mask cuts (windowed())
 
     def windowed(self, window: int) -> AttentionBatch:
         """The same batch for a sliding-window layer: a query at position ``p``
@@ -92,7 +106,8 @@ class AttentionBatch:
             prefills.append(PrefillSpan(span.start, span.stop, span.context_slots,
                                         mask.to(device), span.position))
         return AttentionBatch(self.slot_mapping, self.decode_rows, self.decode_slots,
-                              decode_mask, prefills, self.num_tokens, self.decode_lengths)
+                              decode_mask, prefills, self.num_tokens, self.decode_lengths,
+                              self.decode_split, window)
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -104,6 +119,7 @@ def build_attention_batch(requests: list[ScheduledRequest], block_size: int,
     slot_parts = []
     decode_rows: list[int] = []
     decode_contexts: list[torch.Tensor] = []
+    split: list[tuple[int, int]] = []  # per decode row: (its context, its length)
     prefills = []
     row = 0
     for request in requests:
@@ -115,8 +131,10 @@ def build_attention_batch(requests: list[ScheduledRequest], block_size: int,
         blocks = torch.tensor(request.block_ids, dtype=torch.int64)
         context = _slots(blocks, torch.arange(end), block_size)
         slot_parts.append(context[request.start:])
-        if request.num_tokens == 1 and request.start > 0:
-            decode_rows.append(row)
+        if request.start > 0 and (request.num_tokens == 1 or request.verify):
+            for offset in range(request.num_tokens):
+                decode_rows.append(row + offset)
+                split.append((len(decode_contexts), request.start + 1 + offset))
             decode_contexts.append(context)
         elif request.start == 0:
             prefills.append(PrefillSpan(row, row + request.num_tokens, None, None))
@@ -127,22 +145,25 @@ def build_attention_batch(requests: list[ScheduledRequest], block_size: int,
                                         context.to(device), mask.to(device), request.start))
         row += request.num_tokens
     decode_slots = decode_mask = rows = decode_lengths = None
+    decode_split = None
     if decode_contexts:
-        decode_lengths = torch.tensor([len(c) for c in decode_contexts], device=device)
+        row_lengths = [length for _, length in split]
+        decode_lengths = torch.tensor(row_lengths, device=device)
         longest = max(len(c) for c in decode_contexts)
         padded = torch.stack([torch.cat((c, c[:1].expand(longest - len(c)))) if len(c) < longest
                               else c for c in decode_contexts])
         decode_slots = padded.to(device)
-        if any(len(c) < longest for c in decode_contexts):
-            lengths = torch.tensor([len(c) for c in decode_contexts])
-            valid = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+        if min(row_lengths) < longest:
+            valid = torch.arange(longest).unsqueeze(0) < torch.tensor(row_lengths).unsqueeze(1)
             decode_mask = valid[:, None, None, :].to(device)
+        if decode_mask is not None or len(decode_contexts) != len(split):
+            decode_split = split
         if len(decode_rows) != row:
             rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
     slot_mapping = torch.cat(slot_parts).to(device) if slot_parts else torch.empty(
         0, dtype=torch.int64, device=device)
     return AttentionBatch(slot_mapping, rows, decode_slots, decode_mask, prefills, row,
-                          decode_lengths)
+                          decode_lengths, decode_split)
 
 
 class KVCache:

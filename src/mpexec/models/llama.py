@@ -325,17 +325,18 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
     embedding = lm_head = final_norm = None
     untied = not config.tie_word_embeddings and "lm_head.weight" in names
     # tied: one read of the rows serves both ends
-    embed_rows, head = weights.vocab("model.embed_tokens.weight", vocab_start, vocab_stop,
-                                     embedding=is_first, head=is_last and not untied)
+    embed_rows, head, head_rows = weights.vocab(
+        "model.embed_tokens.weight", vocab_start, vocab_stop, embedding=is_first,
+        head=is_last and not untied)
     if embed_rows is not None:
         embedding = VocabParallelEmbedding(embed_rows, vocab_start, tp_group, dtype=dtype)
     if is_last:
         final_norm = norm("model.norm.weight")
         if untied:
-            _, head = weights.vocab("lm_head.weight", vocab_start, vocab_stop,
-                                    embedding=False, head=True)
+            _, head, head_rows = weights.vocab("lm_head.weight", vocab_start, vocab_stop,
+                                               embedding=False, head=True)
         assert head is not None
-        lm_head = ParallelLMHead(head, tp_group)
+        lm_head = ParallelLMHead(head, tp_group, head_rows)
     return LlamaStage(share=share, layers=layers, embedding=embedding, final_norm=final_norm,
                       lm_head=lm_head, rotary=rotary, num_kv_heads=attn.num_kv_heads,
                       head_dim=head_dim, dtype=dtype, device=device, rotaries=rotaries,

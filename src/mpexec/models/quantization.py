@@ -34,6 +34,7 @@ from mpexec.models.layers.quantized import (
     Int4Weight,
     Int8GroupWeight,
     Int8Weight,
+    PackedRows,
     Rows,
     Weight,
 )
@@ -92,25 +93,28 @@ class WeightBuilder:
         return torch.cat([self.read(*part) for part in parts])
 
     def vocab(self, name: str, start: int, stop: int, *, embedding: bool,
-              head: bool) -> tuple[Rows | None, Weight | None]:
+              head: bool) -> tuple[Rows | None, Weight | None, PackedRows | None]:
         """Vocabulary rows ``[start, stop)`` as the embedding's rows and/or the
-        head's weight (tied: one read serves both)."""
+        head's weight (tied: one read serves both), and for a packed head the
+        same rows readable one by one (its top logits are re-scored exactly)."""
         if self.pack and self.checkpoint.is_quantized(name):
             groups = self._groups([(name, 0, start, stop)])
             if groups is not None:
-                rows = None
+                rows = GroupRows(*groups)  # shares the tensors of ``groups``
                 if embedding:
                     self.packed["rows"] += 1
-                    rows = GroupRows(*groups)
-                return rows, self._grouped(*groups) if head else None
+                if not head:
+                    return rows, None, None
+                return rows if embedding else None, self._grouped(*groups), rows
             weight = self._float32(name, 0, start, stop)
             if len(weight):
                 self.packed["int8 per row"] += 1
                 both = Int8Weight(weight)
-                return both if embedding else None, both if head else None
+                return both if embedding else None, both if head else None, \
+                    both if head else None
         self.packed["float"] += 1
         rows_read = self.read(name, 0, start, stop)
-        return rows_read if embedding else None, rows_read if head else None
+        return rows_read if embedding else None, rows_read if head else None, None
 
     def _groups(self, parts: list[Slice]) -> tuple[torch.Tensor, ...] | None:
         """(q, scale, minimum) of the parts' rows concatenated; None if one part

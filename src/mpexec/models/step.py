@@ -143,7 +143,9 @@ class RequestTable:
                     state.token_ids.append(token)
                 step.token_ids.append(token)
                 step.positions.append(position)
-            step.layout.append(ScheduledRequest(state.block_ids, start, len(tokens)))
+            # a decode token with drafts: its rows attend as decode rows do
+            verify = bool(scheduler_output.scheduled_spec_decode_tokens.get(req_id))
+            step.layout.append(ScheduledRequest(state.block_ids, start, len(tokens), verify))
             end = start + len(tokens)
             if state.params.prompt_logprobs is not None:
                 self._prompt_rows(step, state, start, end)

@@ -127,7 +127,7 @@ class ModelWorker(WorkerBase):
                  seed: int = 0, pp_layer_partition: list[int] | None = None,
                  num_threads: int | None = None,
                  kv_transfer_config: dict[str, Any] | None = None,
-                 quantization: str = "none",
+                 quantization: str = "auto",
                  speculative_config: dict[str, Any] | None = None) -> None:
         super().__init__(context)
         self.quantization = check_quantization(quantization)

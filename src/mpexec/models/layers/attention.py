@@ -6,7 +6,9 @@ Per layer and step::
     q, k = rotate(q), rotate(k)
     K[slot_mapping], V[slot_mapping] = k, v    (write the new tokens first)
     decode rows:  q as [B, kv_heads, group, d] against the gathered [B, kv_heads, L, d]
-                  (a query group shares its KV head, so no KV copy per query head)
+                  (a query group shares its KV head, so no KV copy per query head);
+                  rows of differing lengths (and a decode token with its drafts)
+                  one by one, each over exactly its own context
     prefill rows: causal SDPA over the chunk, or over the gathered context
     out = attn @ Wo_local.T, all-reduced     (row-parallel)
 
@@ -131,18 +133,32 @@ class Attention:
                 v_cache: torch.Tensor) -> torch.Tensor:
         assert batch.decode_slots is not None
         count = q.shape[0]
-        # [B, L, kv, d] -> [B, kv, L, d]; the group of query heads of one KV
+        # [C, L, kv, d] -> [C, kv, L, d]; the group of query heads of one KV
         # head plays the part of the query length.
         # index_select over flat slots: several times faster than advanced
         # indexing with a 2-D index on the CPU
         flat = batch.decode_slots.view(-1)
-        shape = (count, batch.decode_slots.shape[1], self.num_kv_heads, self.head_dim)
+        shape = (batch.decode_slots.shape[0], batch.decode_slots.shape[1], self.num_kv_heads,
+                 self.head_dim)
         keys = torch.index_select(k_cache, 0, flat).view(shape).transpose(1, 2)
         values = torch.index_select(v_cache, 0, flat).view(shape).transpose(1, 2)
         queries = q.view(count, self.num_kv_heads, self.group, self.head_dim)
-        out = attend(queries, keys, values, mask=batch.decode_mask, scale=self.scale,
-                     softcap=self.softcap)
-        return out.reshape(count, self.q_size)
+        if batch.decode_split is None:  # one context per row, all of one length
+            out = attend(queries, keys, values, mask=batch.decode_mask, scale=self.scale,
+                         softcap=self.softcap)
+            return out.reshape(count, self.q_size)
+        # Each row over exactly its own context, as the one call of a batch of
+        # one would make it: the same shapes give the same numbers (a masked,
+        # padded batch sums in another order).  One call per row also costs
+        # less here than the masked batch.
+        out = torch.empty((count, self.q_size), dtype=q.dtype, device=q.device)
+        for row, (context, length) in enumerate(batch.decode_split):
+            mask = None if batch.window is None or batch.decode_mask is None \
+                else batch.decode_mask[row:row + 1, :, :, :length]
+            out[row] = attend(queries[row:row + 1], keys[context:context + 1, :, :length],
+                              values[context:context + 1, :, :length], mask=mask,
+                              scale=self.scale, softcap=self.softcap).reshape(self.q_size)
+        return out
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,12 @@ Each TP rank holds the rows ``[vocab_start, vocab_stop)`` of the embedding
 
 The embedding's rows may be packed (``quantized.GroupRows`` or
 ``Int8Weight``: a lookup gathers and scales the rows it needs), and so may
-the head's weight (any ``quantized.Weight``).
+the head's weight (any ``quantized.Weight``).  A packed head's results
+carry bfloat16 rounding (up to 1/16 on a logit of 20); given ``exact_rows``
+(the same rows, readable one by one), each row's ``RESCORED`` highest
+logits are computed again in float32 from them, so the greedy choice and
+the top logits are those of the stored weights (the head's own call then
+rounds its input once, ``split=False``: it only has to find them).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
-from mpexec.models.layers.quantized import Rows, Weight, matmul
+from mpexec.models.layers.quantized import PackedRows, Rows, Weight, matmul
 
 
 class VocabParallelEmbedding:
@@ -46,15 +51,32 @@ class VocabParallelEmbedding:
         return self.weight.rows(ids, self.dtype)
 
 
+RESCORED = 16
+
+
 class ParallelLMHead:
     """Full float32 logits on every rank from this rank's vocabulary rows."""
 
-    def __init__(self, weight: Weight, group: ParallelGroup) -> None:
+    def __init__(self, weight: Weight, group: ParallelGroup,
+                 exact_rows: PackedRows | None = None) -> None:
         self.weight = weight
         self.group = group
+        self.exact_rows = exact_rows
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = matmul(hidden, self.weight).float()
+        if self.exact_rows is None or isinstance(self.weight, torch.Tensor):
+            logits = matmul(hidden, self.weight).float()
+        else:
+            # the top logits are computed again below: x rounded once to
+            # bfloat16 is enough to find them (and half the kernel's rows)
+            logits = self.weight(hidden, split=False).float()
+        if self.exact_rows is not None and logits.shape[-1]:
+            # per row, elementwise then summed: a row's numbers do not depend
+            # on the other rows of the step
+            top = logits.topk(min(RESCORED, logits.shape[-1]), dim=-1).indices
+            rows = self.exact_rows.rows(top, torch.float32)  # [tokens, RESCORED, hidden]
+            exact = (rows * hidden.float().unsqueeze(-2)).sum(-1)
+            logits.scatter_(-1, top, exact)
         if self.group.world_size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits

@@ -21,10 +21,23 @@ faster than the int8 kernel anyway (49152 × 576 at batch 1: 2 × ~2 ms
 against ~6 ms).
 
 Both kernels take bfloat16 activations (on this AVX-512 BF16 CPU the float32
-and float16 paths are 10-30× slower than a float32 matmul: a reference loop),
-so ``x`` is rounded to bfloat16 on the way in and the result is widened back
-to ``x.dtype``.  The int4 packer wants whole tiles of 16 output rows: the
-weight is padded with zero rows and the padding trimmed from each result.
+and float16 paths are 10-30× slower than a float32 matmul: a reference loop).
+Rounding ``x`` to bfloat16 costs 8 of float32's 24 bits, which moved
+SmolLM2's logits by up to 0.8 and flipped greedy choices, so a step of up to
+``SPLIT_ROWS`` rows passes ``x`` as two bfloat16 parts::
+
+    high = bf16(x),  low = bf16(x − high)      (x = high + low to ~2⁻¹⁶)
+    W·x  = W·high + W·low                      one kernel call on [high; low]
+
+At batch 1 a decode step reads the weight once either way (the kernels are
+bound by the weight bytes), so the second row costs little; beyond
+``SPLIT_ROWS`` (prefill chunks) the kernel is compute-bound and ``x`` is
+rounded once.  The result is still rounded to bfloat16 (the kernels' output
+type) and the scales are bfloat16; the head's top logits are re-scored
+exactly (``embedding.ParallelLMHead``).  Each row is computed alone: its
+result does not depend on the other rows of the call.  The int4 packer wants
+whole tiles of 16 output rows: the weight is padded with zero rows and the
+padding trimmed from each result.
 """
 
 from __future__ import annotations
@@ -34,6 +47,28 @@ import torch
 _KERNEL_DTYPE = torch.bfloat16
 GROUP = 32
 _ROW_TILE = 16
+SPLIT_ROWS = 64  # steps of at most this many rows pass x as bfloat16 high + low
+
+
+def _kernel_input(x: torch.Tensor, in_features: int,
+                  split: bool = True) -> tuple[torch.Tensor, int]:
+    """``x`` as the kernel's bfloat16 rows: ``[high; low]`` for a step of up to
+    ``SPLIT_ROWS`` rows (and ``split``), else rounded once; and the number of
+    rows of ``x``."""
+    flat = x.reshape(-1, in_features)
+    count = flat.shape[0]
+    if count > SPLIT_ROWS or not split:
+        return flat.to(_KERNEL_DTYPE), count
+    wide = flat.float()
+    high = wide.to(_KERNEL_DTYPE)
+    return torch.cat((high, (wide - high.float()).to(_KERNEL_DTYPE))), count
+
+
+def _kernel_output(out: torch.Tensor, count: int) -> torch.Tensor:
+    """The float32 result of the rows ``_kernel_input`` made (high + low summed)."""
+    if out.shape[0] == count:
+        return out.float()
+    return out[:count].float() + out[count:].float()
 
 
 class Int4Weight:
@@ -62,12 +97,13 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zeros.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        rows, count = _kernel_input(x, self.in_features, split)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
                                                          self.scale_zeros)
         if out.shape[-1] != self.out_features:
             out = out[:, :self.out_features]
+        out = _kernel_output(out, count)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -88,9 +124,9 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(_KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        rows, count = _kernel_input(x, self.in_features, split)
+        out = _kernel_output(torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale), count)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,9 +162,9 @@ class Int8GroupWeight:
     def nbytes(self) -> int:
         return self.high.nbytes + self.low.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
         wide = x.float()
-        return (self.high(wide) + self.low(wide)).to(x.dtype)
+        return (self.high(wide, split) + self.low(wide, split)).to(x.dtype)
 
 
 class GroupRows:
@@ -151,6 +187,7 @@ class GroupRows:
 PackedWeight = Int4Weight | Int8GroupWeight | Int8Weight
 Weight = torch.Tensor | Int4Weight | Int8GroupWeight | Int8Weight
 Rows = torch.Tensor | GroupRows | Int8Weight
+PackedRows = GroupRows | Int8Weight  # rows readable one by one from packed storage
 
 
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
