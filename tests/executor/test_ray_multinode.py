@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from tests.conftest import stop_process
 from tests.executor.ray_support import (
     check_calls,
     live_actors,
@@ -99,17 +100,21 @@ def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
 def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
     """SIGSTOP: Ray still sees the actor alive, so only a deadline can tell -
     check_health() within check_health_timeout_s (and execute_model within
-    execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s."""
+    execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s.
+
+    The actor is stopped once all of its threads are (``stop_process``): an
+    actor serves calls on another thread than its main one, which keeps
+    answering until the main thread has run to begin the group stop."""
     ex = spread(made, check_health_timeout_s=1.0, shutdown_grace_s=1.0)
     victim = ex.workers[remote_rank(ex)]
-    os.kill(victim.pid, signal.SIGSTOP)
+    stop_process(victim.pid)
     try:
         with pytest.raises(TimeoutError):
             ex.check_health()
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     assert ex.collective_rpc("echo", args=(3,), timeout=30) == [3, 3]  # usable again
-    os.kill(victim.pid, signal.SIGSTOP)
+    stop_process(victim.pid)
     ended = time.monotonic()
     ex.shutdown()  # the stopped actor is killed, not waited for
     assert time.monotonic() - ended < 60
