@@ -31,7 +31,7 @@ from tests.executor.ray_support import (
     warm_up,
 )
 
-from mpexec.errors import WorkerDiedError, WorkerStartupError
+from mpexec.errors import WorkerDiedError, WorkerStalledError, WorkerStartupError
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("zmq")
@@ -119,6 +119,38 @@ def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
     ex.shutdown()  # the stopped actor is killed, not waited for
     assert time.monotonic() - ended < 60
     assert live_actors() == []
+
+
+def test_a_remote_actor_stopped_mid_call_is_named_by_its_nodes_watch(made: list[Any]) -> None:
+    """The driver cannot see an actor on another Ray node stop: that node's
+    watch actor (``ray.watch``) sees state T past worker_stopped_timeout_s
+    and tells the driver, which kills the actor and fails the call with
+    WorkerStalledError naming the rank and the node, long before its 120 s."""
+    ex = spread(made, worker_stopped_timeout_s=1.0)
+    rank = remote_rank(ex)
+    victim = ex.workers[rank]
+    pending = ex.collective_rpc("sleep", args=(120.0,), non_block=True)
+    stop_process(victim.pid)
+    with pytest.raises(WorkerStalledError, match=rf"rank {rank} \(pid {victim.pid}\) on Ray node "
+                       rf"{victim.node_id} has been stopped .*worker_stopped_timeout_s=1\)"
+                       ) as info:
+        pending.result(timeout=60)
+    assert info.value.rank == rank and info.value.seen == "stopped"
+    assert ex.is_failed
+
+
+def test_remote_actors_holding_the_gil_are_named_by_their_silent_heartbeat(
+        made: list[Any]) -> None:
+    """Every actor on the other Ray node (PACK), each holding the GIL in one
+    long C call: their heartbeats, stamped in that node's watch actor's
+    segment, go silent past worker_stall_timeout_s."""
+    ex = start(made, "shm", ray_placement_strategy="PACK", worker_stall_timeout_s=3.0,
+               worker_stopped_timeout_s=None)
+    with pytest.raises(WorkerStalledError, match=r"rank \d \(pid \d+\) on Ray node \w+ has not "
+                       r"answered its heartbeat .*worker_stall_timeout_s=3\)") as info:
+        ex.collective_rpc("hold_gil", args=(120.0,))
+    assert info.value.seen == "silent" and info.value.rank in (0, 1)
+    assert info.value.pid == ex.workers[info.value.rank].pid
 
 
 def test_remote_actor_dying_in_the_queue_handshake_fails_start_up(

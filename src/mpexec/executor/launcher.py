@@ -36,7 +36,10 @@ class WorkerExit:
     ``who`` names the worker before "died:" in an error ("worker rank 1 (pid
     42)"); it is empty where ``how`` names it already ("node 1 (ranks 2-3)
     lost: ...").  ``rank`` is the rank that failed: for a follower node the
-    worker it reported, if it did.
+    worker it reported, if it did.  ``stalled`` ("stopped" or "silent") says
+    that the worker stopped answering and was judged so where it runs (a
+    follower node, a Ray node's watch: see ``stall``); ``how`` then says what
+    was seen, and the executor fails with ``WorkerStalledError``.
     """
 
     rank: int
@@ -45,6 +48,7 @@ class WorkerExit:
     how: str
     who: str = ""
     remote_traceback: str = ""
+    stalled: str = ""
 
     def sentence(self) -> str:
         return f"{self.who} died: {self.how}" if self.who else self.how

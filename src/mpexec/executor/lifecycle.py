@@ -20,7 +20,8 @@ closed) goes READY -> FAILED once: every pending call fails with its own
 a reply at once; then the failure callbacks run (``fire_callbacks``), and
 only then ``teardown`` waits for the survivors.  A worker that stopped
 answering (``worker_stalled``: stopped by a signal, or its heartbeat silent;
-the monitor asks ``stall`` every tick) fails the executor the same way, with
+the monitor asks ``stall`` every tick; or a handle's ``describe_exit`` says
+so, judged where the worker runs) fails the executor the same way, with
 ``WorkerStalledError``, after it is killed.  The first failure is kept
 (``first_error``): every later call's error repeats its words (rank, pid,
 signal) and has it as ``__cause__``, however long the executor sat idle.
@@ -169,6 +170,9 @@ class Lifecycle:
         The handle says how it ended (``describe_exit``); ``how``, when given,
         is what the caller saw instead ("closed its queue ...": it may still run)."""
         exit = handle.describe_exit()
+        if exit.stalled:  # judged where it runs (a follower node, a Ray node's watch)
+            return self.worker_stalled(handle, Stall(-1, exit.rank, exit.pid or 0,
+                                                     exit.stalled, exit.how))
         if how:
             how = f"{exit.who or handle.name} {how}"
             death = Death(handle.rank, exit.pid, exit.exitcode, how)

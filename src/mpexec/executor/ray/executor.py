@@ -10,6 +10,10 @@
     wait_exit() in group "supervise" ------->     blocks while the actor lives
     death watch: ray.wait(liveness refs)          (resolves with an error when it dies)
       -> the handle's death pipe -> the lifecycle's monitor (as for a pidfd)
+    stall watch (``stall``): the driver's own     Heartbeat thread: cell r of the
+      for the actors on its Ray node; a watch       segment of whoever watches its
+      actor on each other node (``watch``),         node, from the constructor on
+      whose verdict the death watch hears
 
 Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
 
@@ -35,7 +39,10 @@ liveness ref fails: the handle's death descriptor becomes readable and the
 lifecycle's one monitor fails the executor) or by a reader (``ray.get``
 fails, or its queue closes): the executor fails once, every call gets
 ``WorkerDiedError`` naming the rank and the node, and the failure callbacks
-run once.  ``shutdown()``: the workers' own shutdown
+run once.  An actor that is stopped (SIGSTOP) or hung - Ray still sees it
+alive - is named by the stall watch within ``worker_stopped_timeout_s`` /
+``worker_stall_timeout_s``: it is killed and every call gets
+``WorkerStalledError`` naming its rank.  ``shutdown()``: the workers' own shutdown
 (bounded by ``shutdown_grace_s``), ``ray.kill`` every actor, remove the
 placement group, stop Ray if this executor started it.
 """
@@ -62,19 +69,23 @@ from mpexec.executor.ray.actor import SUPERVISE_GROUP, RayWorkerActor
 from mpexec.executor.ray.cluster import (
     RaySession,
     actor_runtime_env,
+    bundle_nodes,
     bundles_for,
     place_workers,
     remove_group,
 )
 from mpexec.executor.ray.queues import broadcast_queue, plan_queues, reply_queue
 from mpexec.executor.ray.replies import RayReplies
+from mpexec.executor.ray.watch import RayNodeWatch
 from mpexec.executor.spec import PortReservation, worker_contexts
+from mpexec.executor.stall import Stall, StallWatch
 
 logger = logging.getLogger(__name__)
 
 _WATCH_SLICE_S = 0.2
 _DEATH_LAG_S = 1.0
 _CAUSE_WAIT_S = 1.0
+_WATCH_END_S = 10.0
 
 
 class RayWorkerHandle:
@@ -94,6 +105,8 @@ class RayWorkerHandle:
         # the lifecycle's monitor polls it like a local worker's pidfd.
         self._death_r, self._death_w = os.pipe()
         self._fd_lock = threading.Lock()
+        # Its node's stall watch found it stopped or hung (``watch``).
+        self.stall: Stall | None = None
 
     @property
     def death_fd(self) -> int:
@@ -104,6 +117,11 @@ class RayWorkerHandle:
         with self._fd_lock:
             if self._death_w >= 0:
                 os.write(self._death_w, b"x")
+
+    def stalled(self, stall: Stall) -> None:
+        """Its node's watch found it stopped or hung: the lifecycle kills it."""
+        self.stall = stall
+        self.gone()
 
     @property
     def name(self) -> str:
@@ -155,6 +173,10 @@ class RayWorkerHandle:
         self.ray.wait([self.liveness], timeout=timeout)
 
     def describe_exit(self) -> WorkerExit:
+        stall = self.stall
+        if stall is not None:
+            return WorkerExit(self.rank, stall.pid, None,
+                              f"on Ray node {self.node_id} {stall.how}", stalled=stall.seen)
         return WorkerExit(self.rank, self.pid, None, self.why_gone(),
                           who=f"worker rank {self.rank} (pid {self.pid})")
 
@@ -218,6 +240,7 @@ class RayExecutor(Driver):
             config.ray_placement_strategy, config.ray_placement_timeout_s)
         life.port = PortReservation(self.parallel_config.master_addr,
                                     self.parallel_config.master_port)
+        rank_nodes = bundle_nodes(ray, group, self.world_size)
         handle = plan = None
         if self.call_path == "shm":
             plan = plan_queues(ray, group, session.node_id, self.world_size, config)
@@ -234,12 +257,23 @@ class RayExecutor(Driver):
         extra: dict[str, Any] = {} if runtime_env is None else {"runtime_env": runtime_env}
         handles = self.actors
         remote_lag_s = config.node_timeout_s + 2 * config.node_heartbeat_s
+        # The stall watch runs where the actors are: the driver's for its
+        # own Ray node, a watch actor's for each other one (``watch``).
+        stall = life.stall = StallWatch(self.world_size, config.worker_stall_timeout_s,
+                                        config.worker_stopped_timeout_s)
+        stall.only = frozenset(r for r, node in enumerate(rank_nodes)
+                               if node == session.node_id)
+        if stall.enabled:
+            state.watch_nodes(rank_nodes, session.node_id, self.world_size, config, extra)
         for ctx in worker_contexts(config, life.port.init_method):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=ctx.local_rank)
+            node = rank_nodes[ctx.local_rank]
+            watch = state.node_watches.get(node)
+            heartbeat = stall.ref() if watch is None else watch.heartbeat.remote()
             actor = actor_cls.options(scheduling_strategy=strategy, **extra).remote(
                 ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
-                os.getpriority(os.PRIO_PROCESS, 0))
+                os.getpriority(os.PRIO_PROCESS, 0), heartbeat, stall.beat_s)
             handles.append(RayWorkerHandle(ray, ctx.rank, actor, session.node_id, remote_lag_s))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
@@ -247,7 +281,7 @@ class RayExecutor(Driver):
         if plan is None:
             assert self.ray_replies is not None
             self.ray_replies.attach(ray, handles)
-            state.watch_deaths(handles)
+            state.watch_deaths(handles, rank_nodes)
             life.start_monitor()
             return
         for h in handles:
@@ -263,7 +297,7 @@ class RayExecutor(Driver):
         state.serve_refs = [h.actor.serve.remote() for h in handles]
         assert self.rpc_broadcast_mq is not None
         # A remote reader cannot see its peer die: the death watch, already, can.
-        state.watch_deaths(handles)
+        state.watch_deaths(handles, rank_nodes)
         life.start_monitor()
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
                   explain_closed=partial(_death_in_handshake, life))
@@ -382,20 +416,43 @@ class _RayState:
         self.serve_refs: list[Any] = []
         self.watcher: threading.Thread | None = None
         self.stop = threading.Event()
+        # The stall watch actor of each Ray node other than the driver's.
+        self.node_watches: dict[str, Any] = {}
 
-    def watch_deaths(self, handles: list[RayWorkerHandle]) -> None:
+    def watch_nodes(self, rank_nodes: tuple[str, ...], driver_node: str, cells: int,
+                    config: ExecutorConfig, options: dict[str, Any]) -> None:
+        """One ``RayNodeWatch`` actor on each other Ray node that hosts ranks."""
+        assert self.session is not None
+        ray = self.session.ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        watch_cls = ray.remote(num_cpus=0, max_restarts=0)(RayNodeWatch)
+        for node in sorted(set(rank_nodes) - {driver_node}):
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            self.node_watches[node] = watch_cls.options(
+                scheduling_strategy=strategy, **options).remote(
+                cells, config.worker_stall_timeout_s, config.worker_stopped_timeout_s)
+
+    def watch_deaths(self, handles: list[RayWorkerHandle], rank_nodes: tuple[str, ...]) -> None:
         """The actors' death watch: each actor's liveness ref resolving (it
         died, its node was lost) becomes its handle's death descriptor, which
-        the lifecycle's monitor polls with everything else."""
+        the lifecycle's monitor polls with everything else; a node watch's
+        verdict (``watch``) marks the actor stalled first."""
         assert self.session is not None
         ray, stop = self.session.ray, self.stop
+        by_ref: dict[Any, Callable[[Any], None]] = {
+            h.liveness: partial(_actor_gone, h) for h in handles}
+        for node, node_watch in self.node_watches.items():
+            workers = {cell: (h.rank, h.pid) for cell, h in enumerate(handles)
+                       if rank_nodes[cell] == node and h.pid is not None}
+            by_ref[node_watch.watch_workers.remote(workers)] = partial(_stall_seen, ray,
+                                                                       handles)
 
         def watch() -> None:
-            by_ref = {h.liveness: h for h in handles}
             while by_ref and not stop.is_set():
                 ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
                 for ref in ready:
-                    by_ref.pop(ref).gone()
+                    by_ref.pop(ref)(ref)
 
         self.watcher = threading.Thread(target=watch, daemon=True, name="RayDeathWatch")
         self.watcher.start()
@@ -418,11 +475,42 @@ class _RayState:
         watcher = self.watcher
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join(2 * _WATCH_SLICE_S + 5.0)
+        if self.node_watches:
+            self._end_node_watches()
         if self.group is not None:
             remove_group(self.group)
             self.group = None
         if self.session is not None:
             self.session.close()
+
+
+    def _end_node_watches(self) -> None:
+        assert self.session is not None
+        ray = self.session.ray
+        watches, self.node_watches = list(self.node_watches.values()), {}
+        for watch in watches:
+            try:
+                ray.kill(watch, no_restart=True)
+            except Exception:
+                logger.debug("ray.kill(a node's stall watch) failed", exc_info=True)
+        # A call to a killed actor fails once Ray has it dead.
+        ends = [watch.heartbeat.remote() for watch in watches]
+        ray.wait(ends, num_returns=len(ends), timeout=_WATCH_END_S)
+
+
+def _actor_gone(handle: RayWorkerHandle, ref: Any) -> None:
+    handle.gone()
+
+
+def _stall_seen(ray: Any, handles: list[RayWorkerHandle], ref: Any) -> None:
+    """A node watch's call returned: the verdict on one of its actors, if any."""
+    try:
+        stall = ray.get(ref, timeout=0)
+    except Exception:  # the watch died with its node: the actors' liveness refs tell
+        logger.debug("a Ray node's stall watch ended", exc_info=True)
+        return
+    if isinstance(stall, Stall):
+        handles[stall.index].stalled(stall)
 
 
 def _close(life: Lifecycle, state: _RayState) -> None:
