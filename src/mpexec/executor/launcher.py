@@ -13,7 +13,8 @@ machine; ``nodes``: the workers of a follower node, one handle per node;
                      death may trail its queues closing (``death_lag_s``), its
                      process on this machine if any (``pid``, for the stall
                      check and the logs), ``join``, ``close_death_pipe``
-                     (the gentle "end now"), ``end_group``, ``close``
+                     (the gentle "end now"), whether that ends it
+                     (``ends_on_close``), ``end_group``, ``close``
 
 ``describe_exit`` returns a :class:`WorkerExit`: the rank that failed, the
 pid and exit code where there are such things, and the words the error
@@ -82,6 +83,11 @@ class WatchedWorker(WorkerHandle, Protocol):
 
     @property
     def death_lag_s(self) -> float: ...
+
+    @property
+    def ends_on_close(self) -> bool:
+        """Whether closing its death pipe ends it (the teardown waits
+        ``shutdown_grace_s`` for it before ``terminate``)."""
 
     def join(self, timeout: float | None) -> None: ...
 

@@ -31,7 +31,8 @@ signal) and has it as ``__cause__``, however long the executor sat idle.
 1. fail pending calls;
 2. close queues (wakes blocked readers; workers leave their loops);
 3. close death pipes;
-4. escalate: wait, SIGTERM, SIGKILL (``termination``);
+4. escalate: wait (for the workers that leave on their own once their
+   death pipe closes: ``ends_on_close``), SIGTERM, SIGKILL (``termination``);
 5. join the monitor and the reply pump; SIGKILL what is left in each
    worker's process group;
 6. close handles (pidfds, processes), the heartbeat segment, the monitor's
@@ -304,7 +305,8 @@ class Lifecycle:
             self._close_queues()
             for handle in self.handles:
                 handle.close_death_pipe()
-            report = self.policy.terminate(self.handles)
+            report = self.policy.terminate(self.handles,
+                                           [h.ends_on_close for h in self.handles])
             logger.debug("worker termination: %s", report.stage)
             me = threading.current_thread()
             monitor = self.monitor

@@ -60,6 +60,8 @@ class RemoteNodeHandle:
         self.bye_requested = False
         self._death_r, self._death_w = os.pipe()
 
+    ends_on_close = True  # BYE: the follower ends its workers, says BYE and exits
+
     @property
     def name(self) -> str:
         return f"node {self.node_rank} (ranks {self.ranks.start}-{self.ranks.stop - 1})"
