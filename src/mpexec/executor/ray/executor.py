@@ -44,10 +44,10 @@ run once.  An actor that is stopped (SIGSTOP) or hung - Ray still sees it
 alive - is named by the stall watch within ``worker_stopped_timeout_s`` /
 ``worker_stall_timeout_s``: it is killed and every call gets
 ``WorkerStalledError`` naming its rank.  ``shutdown()``: the workers' own
-shutdown (bounded by ``shutdown_grace_s``), then the lifecycle's teardown:
-each actor is asked to leave (it exits by itself) and is ``ray.kill``ed if
-it has not within ``shutdown_grace_s``; then the watches stop, the
-placement group is removed, and Ray is stopped if this executor started it.
+shutdown (bounded by ``shutdown_grace_s``), then the lifecycle's teardown
+(``ray.kill`` every actor: ``terminate``, never a pipe closing), the
+launcher's watches stop, the placement group is removed, and Ray is
+stopped if this executor started it.
 """
 
 from __future__ import annotations
