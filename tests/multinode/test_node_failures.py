@@ -270,8 +270,8 @@ def test_a_leader_worker_stuck_in_native_code_ends_without_sigkill_after_a_faile
     reports: list[TerminationReport] = []
     terminate = TerminationPolicy.terminate
 
-    def recorded(self: TerminationPolicy, procs: Any) -> TerminationReport:
-        reports.append(terminate(self, procs))
+    def recorded(self: TerminationPolicy, procs: Any, *rest: Any) -> TerminationReport:
+        reports.append(terminate(self, procs, *rest))
         return reports[-1]
 
     monkeypatch.setattr(TerminationPolicy, "terminate", recorded)
