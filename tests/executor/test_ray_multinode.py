@@ -98,7 +98,8 @@ def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
 
 
 def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
-    """SIGSTOP: Ray still sees the actor alive, so only a deadline can tell -
+    """SIGSTOP: Ray still sees the actor alive, and before the stall watch's
+    bound (worker_stopped_timeout_s, 5 s) only a deadline can tell -
     check_health() within check_health_timeout_s (and execute_model within
     execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s.
 
