@@ -119,6 +119,35 @@ def _leftovers(before_children: set[int], before_fds: dict[int, str],
     return children, fds, shm
 
 
+def stop_process(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped.
+
+    ``kill()`` returning does not mean the process has stopped.  The kernel
+    hands SIGSTOP to one thread (the main thread, unless it is busy with
+    another signal), and the group stop begins only when that thread next
+    runs; until then the other threads carry on.  A worker whose calls are
+    served by another thread than its main one - a Ray actor: its main
+    thread idles in Ray's event loop - can answer a call after ``kill()``
+    returned, for as long as the main thread waits for a CPU (1-70 ms
+    measured under load).  A test that means "the worker is stopped" waits
+    for state T on every thread.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue  # the thread ended
+            states.append(stat[stat.rindex(")") + 2])
+        if all(state in "TtZX" for state in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny deterministic Llama checkpoint (HF format), written once per session."""

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from tests.conftest import stop_process
 from tests.executor.ray_support import (
     check_calls,
     live_actors,
@@ -27,7 +28,7 @@ from tests.executor.ray_support import (
     warm_up,
 )
 
-from mpexec.errors import WorkerDiedError, WorkerStartupError
+from mpexec.errors import WorkerDiedError, WorkerStalledError, WorkerStartupError
 from mpexec.outputs import ModelRunnerOutput, SchedulerOutput
 
 ray = pytest.importorskip("ray")
@@ -106,6 +107,28 @@ def test_actor_killed_mid_call(made: list[RayExecutor], path: str, how: str) -> 
         ex.collective_rpc("echo", args=(1,))
     ex.shutdown()
     assert fired == [1, 2]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_actor_stopped_mid_call_is_named_within_its_bound(made: list[RayExecutor],
+                                                            path: str) -> None:
+    """SIGSTOP: Ray still sees the actor alive.  The driver watches the actors
+    on its own Ray node (``stall``): state T past worker_stopped_timeout_s, so
+    the actor is killed and the call fails with WorkerStalledError naming the
+    rank, long before the call's 120 s."""
+    ex = start(made, path, worker_stopped_timeout_s=1.0)
+    fired = threading.Event()
+    ex.register_failure_callback(fired.set)
+    pending = ex.collective_rpc("sleep", args=(120.0,), non_block=True)
+    victim = ex.workers[1]
+    stop_process(victim.pid)
+    with pytest.raises(WorkerStalledError, match=rf"rank 1 \(pid {victim.pid}\) has been "
+                       r"stopped .*worker_stopped_timeout_s=1") as info:
+        pending.result(timeout=60)
+    assert info.value.rank == 1 and info.value.seen == "stopped"
+    assert fired.wait(30) and ex.is_failed
+    with pytest.raises(WorkerStalledError, match="rank 1"):
+        ex.collective_rpc("echo", args=(1,))
 
 
 @pytest.mark.parametrize("path", PATHS)

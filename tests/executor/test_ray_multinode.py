@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from tests.conftest import stop_process
 from tests.executor.ray_support import (
     check_calls,
     live_actors,
@@ -30,7 +31,7 @@ from tests.executor.ray_support import (
     warm_up,
 )
 
-from mpexec.errors import WorkerDiedError, WorkerStartupError
+from mpexec.errors import WorkerDiedError, WorkerStalledError, WorkerStartupError
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("zmq")
@@ -97,23 +98,60 @@ def test_actors_on_two_nodes_answer_as_on_one(made: list[Any]) -> None:
 
 
 def test_a_stopped_actor_is_caught_by_the_health_check(made: list[Any]) -> None:
-    """SIGSTOP: Ray still sees the actor alive, so only a deadline can tell -
+    """SIGSTOP: Ray still sees the actor alive, and before the stall watch's
+    bound (worker_stopped_timeout_s, 5 s) only a deadline can tell -
     check_health() within check_health_timeout_s (and execute_model within
-    execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s."""
+    execute_model_timeout_s); shutdown() is bounded by shutdown_grace_s.
+
+    The actor is stopped once all of its threads are (``stop_process``): an
+    actor serves calls on another thread than its main one, which keeps
+    answering until the main thread has run to begin the group stop."""
     ex = spread(made, check_health_timeout_s=1.0, shutdown_grace_s=1.0)
     victim = ex.workers[remote_rank(ex)]
-    os.kill(victim.pid, signal.SIGSTOP)
+    stop_process(victim.pid)
     try:
         with pytest.raises(TimeoutError):
             ex.check_health()
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     assert ex.collective_rpc("echo", args=(3,), timeout=30) == [3, 3]  # usable again
-    os.kill(victim.pid, signal.SIGSTOP)
+    stop_process(victim.pid)
     ended = time.monotonic()
     ex.shutdown()  # the stopped actor is killed, not waited for
     assert time.monotonic() - ended < 60
     assert live_actors() == []
+
+
+def test_a_remote_actor_stopped_mid_call_is_named_by_its_nodes_watch(made: list[Any]) -> None:
+    """The driver cannot see an actor on another Ray node stop: that node's
+    watch actor (``ray.watch``) sees state T past worker_stopped_timeout_s
+    and tells the driver, which kills the actor and fails the call with
+    WorkerStalledError naming the rank and the node, long before its 120 s."""
+    ex = spread(made, worker_stopped_timeout_s=1.0)
+    rank = remote_rank(ex)
+    victim = ex.workers[rank]
+    pending = ex.collective_rpc("sleep", args=(120.0,), non_block=True)
+    stop_process(victim.pid)
+    with pytest.raises(WorkerStalledError, match=rf"rank {rank} \(pid {victim.pid}\) on Ray node "
+                       rf"{victim.node_id} has been stopped .*worker_stopped_timeout_s=1\)"
+                       ) as info:
+        pending.result(timeout=60)
+    assert info.value.rank == rank and info.value.seen == "stopped"
+    assert ex.is_failed
+
+
+def test_remote_actors_holding_the_gil_are_named_by_their_silent_heartbeat(
+        made: list[Any]) -> None:
+    """Every actor on the other Ray node (PACK), each holding the GIL in one
+    long C call: their heartbeats, stamped in that node's watch actor's
+    segment, go silent past worker_stall_timeout_s."""
+    ex = start(made, "shm", ray_placement_strategy="PACK", worker_stall_timeout_s=3.0,
+               worker_stopped_timeout_s=None)
+    with pytest.raises(WorkerStalledError, match=r"rank \d \(pid \d+\) on Ray node \w+ has not "
+                       r"answered its heartbeat .*worker_stall_timeout_s=3\)") as info:
+        ex.collective_rpc("hold_gil", args=(120.0,))
+    assert info.value.seen == "silent" and info.value.rank in (0, 1)
+    assert info.value.pid == ex.workers[info.value.rank].pid
 
 
 def test_remote_actor_dying_in_the_queue_handshake_fails_start_up(

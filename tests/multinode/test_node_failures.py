@@ -8,6 +8,7 @@ sleeps 60 s, start-up may take 60 s, and the node timeout is 2 s.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from mpexec.errors import WorkerDiedError, WorkerStartupError
+from mpexec.errors import WorkerDiedError, WorkerStalledError, WorkerStartupError
 from mpexec.executor import MultiprocExecutor
 from tests.multinode.nodes import free_port, kill_tree, reap, signal_tree, start_follower, tree_of
 from tests.multinode.test_two_nodes import _wait_gone, assert_port_free, two_node_config
@@ -89,6 +90,32 @@ def test_a_follower_worker_failing_start_up_sends_its_traceback(
     assert "_maybe_fail" in info.value.remote_traceback  # the worker's own frames
     assert "Worker traceback (rank 3)" in str(info.value)
     assert follower.wait(30) == 1
+    assert_port_free(port)
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_worker_stopped_mid_call_is_named_within_its_bound(
+        leak_check: None, follower_port: tuple[subprocess.Popen[bytes], int]) -> None:
+    """SIGSTOP one of the follower's workers inside a 120 s call: the
+    follower's own stall watch sees state T past worker_stopped_timeout_s,
+    kills the worker and reports it; the caller's WorkerStalledError names
+    the rank, its pid on the follower and the node, long before the call ends."""
+    follower, port = follower_port
+    executor = MultiprocExecutor(two_node_config(port, worker_stopped_timeout_s=1.0))
+    try:
+        pid = next(who[2] for who in executor.collective_rpc("whoami") if who[0] == 3)
+        pending = executor.collective_rpc("sleep", args=(120.0,), non_block=True)
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(WorkerStalledError, match=rf"rank 3 \(pid {pid}\) on node 1 has been "
+                           r"stopped .*worker_stopped_timeout_s=1\)") as info:
+            pending.result(60)
+        assert info.value.rank == 3 and info.value.pid == pid and info.value.seen == "stopped"
+        assert executor.is_failed
+        assert follower.wait(30) == 1  # it reported the failure and ended
+        assert not os.path.exists(f"/proc/{pid}")  # the stopped worker was killed
+    finally:
+        executor.shutdown()
     assert_port_free(port)
 
 
@@ -243,8 +270,8 @@ def test_a_leader_worker_stuck_in_native_code_ends_without_sigkill_after_a_faile
     reports: list[TerminationReport] = []
     terminate = TerminationPolicy.terminate
 
-    def recorded(self: TerminationPolicy, procs: Any) -> TerminationReport:
-        reports.append(terminate(self, procs))
+    def recorded(self: TerminationPolicy, procs: Any, *rest: Any) -> TerminationReport:
+        reports.append(terminate(self, procs, *rest))
         return reports[-1]
 
     monkeypatch.setattr(TerminationPolicy, "terminate", recorded)

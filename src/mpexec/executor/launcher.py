@@ -13,7 +13,8 @@ machine; ``nodes``: the workers of a follower node, one handle per node;
                      death may trail its queues closing (``death_lag_s``), its
                      process on this machine if any (``pid``, for the stall
                      check and the logs), ``join``, ``close_death_pipe``
-                     (the gentle "end now"), ``end_group``, ``close``
+                     (the gentle "end now"), whether that ends it
+                     (``ends_on_close``), ``end_group``, ``close``
 
 ``describe_exit`` returns a :class:`WorkerExit`: the rank that failed, the
 pid and exit code where there are such things, and the words the error
@@ -36,7 +37,10 @@ class WorkerExit:
     ``who`` names the worker before "died:" in an error ("worker rank 1 (pid
     42)"); it is empty where ``how`` names it already ("node 1 (ranks 2-3)
     lost: ...").  ``rank`` is the rank that failed: for a follower node the
-    worker it reported, if it did.
+    worker it reported, if it did.  ``stalled`` ("stopped" or "silent") says
+    that the worker stopped answering and was judged so where it runs (a
+    follower node, a Ray node's watch: see ``stall``); ``how`` then says what
+    was seen, and the executor fails with ``WorkerStalledError``.
     """
 
     rank: int
@@ -45,6 +49,7 @@ class WorkerExit:
     how: str
     who: str = ""
     remote_traceback: str = ""
+    stalled: str = ""
 
     def sentence(self) -> str:
         return f"{self.who} died: {self.how}" if self.who else self.how
@@ -78,6 +83,11 @@ class WatchedWorker(WorkerHandle, Protocol):
 
     @property
     def death_lag_s(self) -> float: ...
+
+    @property
+    def ends_on_close(self) -> bool:
+        """Whether closing its death pipe ends it (the teardown waits
+        ``shutdown_grace_s`` for it before ``terminate``)."""
 
     def join(self, timeout: float | None) -> None: ...
 

@@ -20,7 +20,8 @@ closed) goes READY -> FAILED once: every pending call fails with its own
 a reply at once; then the failure callbacks run (``fire_callbacks``), and
 only then ``teardown`` waits for the survivors.  A worker that stopped
 answering (``worker_stalled``: stopped by a signal, or its heartbeat silent;
-the monitor asks ``stall`` every tick) fails the executor the same way, with
+the monitor asks ``stall`` every tick; or a handle's ``describe_exit`` says
+so, judged where the worker runs) fails the executor the same way, with
 ``WorkerStalledError``, after it is killed.  The first failure is kept
 (``first_error``): every later call's error repeats its words (rank, pid,
 signal) and has it as ``__cause__``, however long the executor sat idle.
@@ -30,7 +31,8 @@ signal) and has it as ``__cause__``, however long the executor sat idle.
 1. fail pending calls;
 2. close queues (wakes blocked readers; workers leave their loops);
 3. close death pipes;
-4. escalate: wait, SIGTERM, SIGKILL (``termination``);
+4. escalate: wait (for the workers that leave on their own once their
+   death pipe closes: ``ends_on_close``), SIGTERM, SIGKILL (``termination``);
 5. join the monitor and the reply pump; SIGKILL what is left in each
    worker's process group;
 6. close handles (pidfds, processes), the heartbeat segment, the monitor's
@@ -169,6 +171,9 @@ class Lifecycle:
         The handle says how it ended (``describe_exit``); ``how``, when given,
         is what the caller saw instead ("closed its queue ...": it may still run)."""
         exit = handle.describe_exit()
+        if exit.stalled:  # judged where it runs (a follower node, a Ray node's watch)
+            return self.worker_stalled(handle, Stall(-1, exit.rank, exit.pid or 0,
+                                                     exit.stalled, exit.how))
         if how:
             how = f"{exit.who or handle.name} {how}"
             death = Death(handle.rank, exit.pid, exit.exitcode, how)
@@ -300,7 +305,8 @@ class Lifecycle:
             self._close_queues()
             for handle in self.handles:
                 handle.close_death_pipe()
-            report = self.policy.terminate(self.handles)
+            report = self.policy.terminate(self.handles,
+                                           [h.ends_on_close for h in self.handles])
             logger.debug("worker termination: %s", report.stage)
             me = threading.current_thread()
             monitor = self.monitor

@@ -24,6 +24,15 @@ moment; CLOCK_MONOTONIC is one clock for every process of the machine.
 Checked by the lifecycle's monitor while the executor runs and by the
 start-up waits before that; a verdict is a :class:`Stall` naming the
 worker, its pid and what was seen, which becomes a ``WorkerStalledError``.
+
+The watch runs where the processes are, because /proc and CLOCK_MONOTONIC
+are one machine's: the driver watches its own local workers (and the Ray
+actors on its Ray node: ``only`` names the handles that are here); a
+follower node watches its workers and reports a verdict over the node
+channel (``nodes``); a Ray node without the driver gets a small watch actor
+(``ray.watch``) that returns its verdict to the driver.  A verdict that
+comes from elsewhere reaches the lifecycle through the worker's handle
+(``WorkerExit.stalled``), and fails the executor the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mpexec.errors import WorkerStalledError, WorkerStartupError
 from mpexec.ipc.shm import Segment, SegmentRef, segment_name
@@ -39,6 +48,16 @@ from mpexec.system import proc_stat
 
 if TYPE_CHECKING:
     from mpexec.executor.launcher import WatchedWorker
+
+
+class Watched(Protocol):
+    """What the watch reads of a worker: its rank and its process here (if any)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def pid(self) -> int | None: ...
 
 _MIN_TICK_S = 0.05
 _MAX_TICK_S = 1.0
@@ -75,6 +94,9 @@ class StallWatch:
         self.stopped_timeout_s = stopped_timeout_s
         self._clock = clock
         self._stopped_since: dict[int, float] = {}
+        # The handles (by index) whose processes are on this machine; None:
+        # every handle with a pid.
+        self.only: frozenset[int] | None = None
         self.segment: Segment | None = None
         if stall_timeout_s is not None and n_workers:
             self.segment = Segment.create(segment_name("heartbeat"), 8 * n_workers,
@@ -95,11 +117,14 @@ class StallWatch:
         """Where the workers stamp their heartbeats (None: no heartbeat)."""
         return None if self.segment is None else self.segment.ref()
 
-    def check(self, handles: Sequence[WatchedWorker]) -> Stall | None:
+    def check(self, handles: Sequence[Watched]) -> Stall | None:
         """The first local worker past a bound, or None (dead ones are the
         monitor's: their pidfd says so)."""
         now = self._clock()
+        only = self.only
         for index, handle in enumerate(handles):
+            if only is not None and index not in only:
+                continue
             pid = handle.pid
             if pid is None or not isinstance(pid, int):
                 continue  # not a local process (a follower node, an actor)

@@ -4,7 +4,9 @@ The driver first closes the death pipes (each worker sees EOF and leaves its
 busy loop on its own); :class:`TerminationPolicy` then escalates only as far
 as it must:
 
-1. wait ``grace_s`` for every process to exit;
+1. wait ``grace_s`` for every process to exit (only for those that leave by
+   themselves once told to: ``patient``; a Ray actor, whose gentle end ran
+   before, goes straight to step 2);
 2. SIGTERM the survivors and wait ``term_s`` (workers turn SIGTERM into one
    ``SystemExit`` and clean up);
 3. SIGKILL whoever is still there and wait ``kill_s`` for the kernel to reap.
@@ -91,16 +93,23 @@ class TerminationPolicy:
             self.sleep(min(poll, remaining))
             poll = min(poll * 2, _MAX_POLL_S)
 
-    def terminate(self, procs: Sequence[Terminable]) -> TerminationReport:
+    def terminate(self, procs: Sequence[Terminable],
+                  patient: Sequence[bool] | None = None) -> TerminationReport:
+        """``patient[i]``: ``procs[i]`` leaves by itself, worth waiting
+        ``grace_s`` for (default: all of them)."""
         alive = [p for p in procs if p.is_alive()]
         if not alive:
             return TerminationReport("exited")
-        logger.debug("Worker termination: waiting up to %.1fs for %d process(es) to exit",
-                     self.grace_s, len(alive))
-        if self.wait_for_exit(alive, self.grace_s):
+        waiting = alive if patient is None else [
+            p for p, wait in zip(procs, patient, strict=True) if wait and p.is_alive()]
+        if waiting:
+            logger.debug("Worker termination: waiting up to %.1fs for %d process(es) to exit",
+                         self.grace_s, len(waiting))
+            self.wait_for_exit(waiting, self.grace_s)
+        alive = [p for p in alive if p.is_alive()]
+        if not alive:
             return TerminationReport("exited")
 
-        alive = [p for p in alive if p.is_alive()]
         terminated = [describe(p) for p in alive]
         logger.info("Worker termination: sending SIGTERM to %s", ", ".join(terminated))
         for p in alive:

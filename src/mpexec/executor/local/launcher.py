@@ -45,6 +45,7 @@ class LocalWorkerHandle:
     """
 
     death_lag_s = _DEATH_LAG_S
+    ends_on_close = True  # EOF on its death pipe: it leaves its loop and exits
 
     def __init__(self, rank: int, proc: BaseProcess, ready_conn: Connection,
                  death_writer: Connection) -> None:

@@ -17,9 +17,17 @@ leader where their reply queues are, and then only watches::
                                node_heartbeat_s and hears it;
                                leader silent > timeout  -> end (1); BYE -> end (0)
     start-up fails:            FAILED(what, the worker's traceback, rank), end
+                               (a stopped or hung worker too: its stall watch)
     watch loop:                a worker died            -> FAILED to the leader, end (1)
+                               a worker stopped or hung -> kill it, FAILED(what, "",
+                               (the stall watch)           rank, stopped|silent, pid), end (1)
                                BYE from the leader      -> end, BYE back (0)
                                leader silent > timeout  -> end (1)
+
+The follower watches its own workers for stalls (``stall``: a stopped
+process in /proc, a silent heartbeat) as the leader watches its local
+ones, because only this machine can see them: the leader turns the report
+into the ``WorkerStalledError`` that names the rank.
 
 The workers read the leader's broadcast queue as remote readers and serve
 their replies from reply queues the leader reads remotely (``ipc.remote``);
@@ -38,6 +46,8 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from mpexec.config import ExecutorConfig
@@ -57,6 +67,7 @@ from mpexec.executor.nodes.wire import (
     version_mismatch,
 )
 from mpexec.executor.spec import spec_factories, worker_contexts
+from mpexec.executor.stall import Stall, StallWatch, startup_guard
 from mpexec.executor.termination import TerminationPolicy
 from mpexec.ipc.auth import (
     BYE,
@@ -289,8 +300,13 @@ def _serve(client: NodeClient, config: ExecutorConfig, assignment: NodeAssignmen
             deadline = time.monotonic() + config.startup_timeout_s
             # The heartbeat runs during start-up too: the leader would call
             # this node lost after node_timeout_s, however long loading takes.
+            beat = _StartupBeat(client, stop)
+            stall = life.stall
+            guard = None if stall is None or not stall.enabled else startup_guard(
+                stall, workers)
             ready = wait_for_ready(workers, deadline, config.startup_timeout_s,
-                                   tick=_StartupBeat(client, stop), tick_s=_POLL_S)
+                                   tick=beat if guard is None else partial(_both, beat, guard),
+                                   tick_s=_POLL_S)
         except WorkerStartupError as exc:
             rank = "" if exc.rank is None else str(exc.rank)
             client.send(FAILED, [exc.args[0].encode(), exc.remote_traceback.encode(),
@@ -335,13 +351,21 @@ class _StartupBeat:
             raise _LeaderLost(self.client.lost)
 
 
+def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    first()
+    second()
+
+
 def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssignment,
                    secret: str, bind_addr: str) -> list[LocalWorkerHandle]:
     context = get_mp_context(maybe_force_spawn(config.mp_start_method))
     launcher = LocalProcessLauncher(context)
     contexts = worker_contexts(config, assignment.distributed_init_method)
+    stall = life.stall = StallWatch(len(contexts), config.worker_stall_timeout_s,
+                                    config.worker_stopped_timeout_s)
     workers: list[LocalWorkerHandle] = []
     for spec_for in spec_factories(config, contexts, assignment.broadcast_handle,
+                                   stall.ref(), stall.beat_s,
                                    reply_connect_ip=bind_addr, cluster_secret=secret):
         workers.append(launcher.start(spec_for))
         life.handles.append(workers[-1])
@@ -350,6 +374,9 @@ def _start_workers(life: Lifecycle, config: ExecutorConfig, assignment: NodeAssi
 
 def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
            workers: list[LocalWorkerHandle], stop: threading.Event) -> int:
+    stall = life.stall
+    tick_s = None if stall is None else stall.tick_s
+    next_check = 0.0
     while True:
         # Exit code 0 is a worker leaving because the leader closed the
         # broadcast queue: the leader's BYE is on its way.
@@ -359,6 +386,12 @@ def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
             logger.error("node %d: %s", client.node_rank, what)
             client.send(FAILED, [what.encode()])
             return 1
+        if stall is not None and tick_s is not None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + tick_s
+            stalled = stall.check(workers)
+            if stalled is not None:
+                _report_stall(client, workers[stalled.index], stalled)
+                return 1
         if stop.is_set():
             client.send(BYE, [])
             return 0
@@ -374,3 +407,15 @@ def _watch(client: NodeClient, config: ExecutorConfig, life: Lifecycle,
             return 1
         client.changed.wait(_POLL_S)
         client.changed.clear()
+
+
+def _report_stall(client: NodeClient, worker: LocalWorkerHandle, stall: Stall) -> None:
+    """Kill a worker that stopped answering (a stopped one takes no SIGTERM)
+    and tell the leader which rank, what was seen, and its pid here."""
+    how = f"on node {client.node_rank} {stall.how}"
+    logger.error("node %d: worker rank %d (pid %d) %s; killing it", client.node_rank,
+                 stall.rank, stall.pid, stall.how)
+    worker.kill()
+    client.send(FAILED, [f"worker rank {stall.rank} (pid {stall.pid}) {how}".encode(), b"",
+                         str(stall.rank).encode(), stall.seen.encode(), str(stall.pid).encode(),
+                         how.encode()])

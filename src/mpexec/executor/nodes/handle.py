@@ -4,7 +4,8 @@ The lifecycle and the failure table talk to workers only through the
 ``WatchedWorker`` protocol (``launcher``); a follower node answers it for all
 of its ranks at once.  Its death descriptor is a pipe that becomes readable
 when the node is lost (``lost``: silent for ``node_timeout_s``, or it
-reported a failed worker); ending it (``terminate``, ``close_death_pipe``)
+reported a failed worker, or one its stall watch found stopped or hung:
+``describe_exit`` then says ``stalled``); ending it (``terminate``, ``close_death_pipe``)
 asks the node server to say BYE.  It has no pid and no exit code here: the
 node's processes are on another machine.
 """
@@ -51,10 +52,15 @@ class RemoteNodeHandle:
         self.how = ""
         self.remote_traceback = ""  # of the worker whose failure the node reported
         self.failed_rank: int | None = None  # and its rank
+        # The node's stall watch judged that worker stopped or hung (and killed
+        # it): what it saw ("stopped"/"silent"), its pid there, the words.
+        self._stall: tuple[str, int, str] | None = None
         self.refused = ""  # why the last follower that tried to join as this node was refused
         self.gone = threading.Event()
         self.bye_requested = False
         self._death_r, self._death_w = os.pipe()
+
+    ends_on_close = True  # BYE: the follower ends its workers, says BYE and exits
 
     @property
     def name(self) -> str:
@@ -76,6 +82,10 @@ class RemoteNodeHandle:
         if self._death_w >= 0:
             os.write(self._death_w, b"x")
 
+    def stalled(self, seen: str, pid: int, how: str) -> None:
+        """Before ``lost``: the failed worker stopped answering (see ``stall``)."""
+        self._stall = (seen, pid, how)
+
     def is_alive(self) -> bool:
         return not self.gone.is_set()
 
@@ -90,6 +100,9 @@ class RemoteNodeHandle:
 
     def describe_exit(self) -> WorkerExit:
         rank = self.rank if self.failed_rank is None else self.failed_rank
+        if self._stall is not None:
+            seen, pid, how = self._stall
+            return WorkerExit(rank, pid, None, how, stalled=seen)
         return WorkerExit(rank, None, None, self.how or f"{self.name} ended",
                           remote_traceback=self.remote_traceback)
 

@@ -203,11 +203,14 @@ class NodeServer:
             handles: dict[int, Handle] = pickle.loads(opened.parts[0])  # authenticated
             node.reply_handles = {r: h for r, h in handles.items() if r in node.ranks}
         elif opened.kind == FAILED:
-            # [what happened] or, from start-up, [what, the worker's traceback, its rank]
-            text = [bytes(part).decode(errors="replace") for part in opened.parts[:3]]
+            # [what happened] or, from start-up, [what, the worker's traceback, its
+            # rank]; a stalled worker adds [stopped|silent, its pid, how it was seen]
+            text = [bytes(part).decode(errors="replace") for part in opened.parts[:6]]
             node.remote_traceback = text[1] if len(text) > 1 else ""
             if len(text) > 2 and text[2].isdigit() and int(text[2]) in node.ranks:
                 node.failed_rank = int(text[2])
+            if len(text) > 5 and node.failed_rank is not None and text[4].isdigit():
+                node.stalled(text[3], int(text[4]), text[5])
             node.lost(f"reported: {text[0]}")
         elif opened.kind == BYE:
             node.how = node.how or f"{node.name} left"

@@ -19,8 +19,10 @@
                                                    broadcast handle, init method
                                                    start the local workers
                           <------- READY(R, reply handles of its ranks)
-                          <------- FAILED(R, text[, traceback, rank])
-                                                   a local worker failed or died
+                          <------- FAILED(R, text[, traceback, rank
+                                           [, stopped|silent, pid, how]])
+                                                   a local worker failed or died (or
+                                                   stopped answering: its stall watch)
     PING every node_heartbeat_s  <--------->       PING every node_heartbeat_s
     (from JOIN on: start-up included)              (from CONFIG on: start-up included)
     (each end's heartbeat has a thread of its own; silence is judged net of
@@ -64,7 +66,7 @@ MAX_CONTROL_BYTES = 64 << 20
 NONCE = struct.Struct("<Q")
 # The node channel's protocol: raise it whenever a frame, a MAC or the
 # assignment changes (together with mpexec's version it must match across nodes).
-NODE_PROTOCOL = 4
+NODE_PROTOCOL = 5
 VERSION_REFUSED = "version mismatch"
 LAYOUT_REFUSED = "layout mismatch"
 

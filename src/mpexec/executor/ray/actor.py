@@ -18,6 +18,11 @@ actor hosts the same pieces a worker process does::
                        liveness probe (it runs in its own concurrency group,
                        so it does not block the calls)
 
+From its constructor on, a ``Heartbeat`` thread stamps the actor's cell
+(its local rank) in the heartbeat segment of whoever watches its Ray node
+for stalls (the driver, or the node's watch actor: ``watch``), beside the
+thread that serves the calls.
+
 Calls and replies have exactly the shapes of ``protocol`` (``Call`` in,
 ``Reply`` out, failures as ``RemoteFailure``), so the driver decodes them
 with the same code as for worker processes.
@@ -39,9 +44,11 @@ from mpexec.executor.protocol import Reply, capture_failure
 from mpexec.executor.ray.queues import ActorQueues
 from mpexec.executor.spec import WorkerSpec
 from mpexec.executor.tracing import Tracer
+from mpexec.executor.watcher import Heartbeat
 from mpexec.executor.worker_base import WorkerWrapperBase
 from mpexec.executor.worker_proc import WorkerProc, release_distributed
 from mpexec.ipc import Handle
+from mpexec.ipc.shm import SegmentRef
 from mpexec.outputs import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -54,7 +61,8 @@ class RayWorkerActor:
 
     def __init__(self, context: WorkerContext, broadcast_handle: Handle | None,
                  driver_pid: int, queues: ActorQueues | None = None,
-                 niceness: int | None = None) -> None:
+                 niceness: int | None = None, heartbeat: SegmentRef | None = None,
+                 heartbeat_s: float = 1.0) -> None:
         self.context = context
         self.broadcast_handle = broadcast_handle
         self.driver_pid = driver_pid
@@ -66,6 +74,10 @@ class RayWorkerActor:
         self.tracer = Tracer.create(config.trace, f"Worker_{context.rank}",
                                     config.trace_exporter)
         self._exit = threading.Event()
+        self.heartbeat: Heartbeat | None = None
+        if heartbeat is not None:
+            self.heartbeat = Heartbeat(heartbeat, context.local_rank, heartbeat_s)
+            self.heartbeat.start()
 
     def start(self) -> tuple[int, str, Handle | None]:
         import ray  # only ever runs inside a Ray worker
@@ -110,6 +122,7 @@ class RayWorkerActor:
             logger.debug("rank %d: the driver closed the queues", self.context.rank)
         finally:
             proc.shutdown()
+            self._stop_heartbeat()
 
     # -- the "ray" path ------------------------------------------------------------
 
@@ -140,6 +153,12 @@ class RayWorkerActor:
         if self.wrapper is not None and self.proc is None:
             self.wrapper.shutdown()
             release_distributed(self.context.rank)  # as WorkerProc.shutdown does
+        self._stop_heartbeat()
+
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
     # -- supervision ------------------------------------------------------------------
 

@@ -255,6 +255,12 @@ def missing_resources(ray: Any, bundles: list[dict[str, float]]) -> str:
     return "missing " + "; ".join(short)
 
 
+def bundle_nodes(ray: Any, group: Any, world_size: int) -> tuple[str, ...]:
+    """The Ray node of each bundle of a placed group (bundle index = rank)."""
+    by_bundle = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    return tuple(str(by_bundle[rank]) for rank in range(world_size))
+
+
 def remove_group(group: Any) -> None:
     from ray.util.placement_group import remove_placement_group
 

@@ -5,11 +5,16 @@
     driver (RayExecutor)                          actor r (actor.RayWorkerActor)
     --------------------                          ----------------------------------
     RaySession.open, place_workers (cluster)
+    RayActorLauncher (launcher):
     actor r created in bundle r  ------------->   start(): worker_cls(context), init_device,
                                                   load_model (+ queues on the "shm" path)
     wait_exit() in group "supervise" ------->     blocks while the actor lives
     death watch: ray.wait(liveness refs)          (resolves with an error when it dies)
       -> the handle's death pipe -> the lifecycle's monitor (as for a pidfd)
+    stall watch (``stall``): the driver's own     Heartbeat thread: cell r of the
+      for the actors on its Ray node; a watch       segment of whoever watches its
+      actor on each other node (``watch``),         node, from the constructor on
+      whose verdict the death watch hears
 
 Calls travel one of two ways (``ExecutorConfig.ray_call_path``):
 
@@ -35,9 +40,14 @@ liveness ref fails: the handle's death descriptor becomes readable and the
 lifecycle's one monitor fails the executor) or by a reader (``ray.get``
 fails, or its queue closes): the executor fails once, every call gets
 ``WorkerDiedError`` naming the rank and the node, and the failure callbacks
-run once.  ``shutdown()``: the workers' own shutdown
-(bounded by ``shutdown_grace_s``), ``ray.kill`` every actor, remove the
-placement group, stop Ray if this executor started it.
+run once.  An actor that is stopped (SIGSTOP) or hung - Ray still sees it
+alive - is named by the stall watch within ``worker_stopped_timeout_s`` /
+``worker_stall_timeout_s``: it is killed and every call gets
+``WorkerStalledError`` naming its rank.  ``shutdown()``: the workers' own
+shutdown (bounded by ``shutdown_grace_s``), then the lifecycle's teardown
+(``ray.kill`` every actor: ``terminate``, never a pipe closing), the
+launcher's watches stop, the placement group is removed, and Ray is
+stopped if this executor started it.
 """
 
 from __future__ import annotations
@@ -45,7 +55,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -56,123 +65,22 @@ from mpexec.errors import QueueClosedError, WorkerStartupError
 from mpexec.executor.driver import Driver
 from mpexec.executor.futures import ReplyReader
 from mpexec.executor.handshake import handshake
-from mpexec.executor.launcher import WorkerExit
 from mpexec.executor.lifecycle import Lifecycle, State
-from mpexec.executor.ray.actor import SUPERVISE_GROUP, RayWorkerActor
 from mpexec.executor.ray.cluster import (
     RaySession,
     actor_runtime_env,
+    bundle_nodes,
     bundles_for,
     place_workers,
     remove_group,
 )
+from mpexec.executor.ray.launcher import RayActorLauncher, RayWorkerHandle
 from mpexec.executor.ray.queues import broadcast_queue, plan_queues, reply_queue
 from mpexec.executor.ray.replies import RayReplies
 from mpexec.executor.spec import PortReservation, worker_contexts
+from mpexec.executor.stall import StallWatch
 
 logger = logging.getLogger(__name__)
-
-_WATCH_SLICE_S = 0.2
-_DEATH_LAG_S = 1.0
-_CAUSE_WAIT_S = 1.0
-
-
-class RayWorkerHandle:
-    """One actor as the lifecycle sees a worker (``launcher.WatchedWorker``)."""
-
-    def __init__(self, ray: Any, rank: int, actor: Any, driver_node: str,
-                 remote_lag_s: float) -> None:
-        self.ray = ray
-        self.rank = rank
-        self.actor = actor
-        self.driver_node = driver_node
-        self.remote_lag_s = remote_lag_s
-        self.liveness = actor.wait_exit.options(concurrency_group=SUPERVISE_GROUP).remote()
-        self.pid: int | None = None
-        self.node_id = "?"
-        # Written by the actors' death watch when Ray reports the actor gone:
-        # the lifecycle's monitor polls it like a local worker's pidfd.
-        self._death_r, self._death_w = os.pipe()
-        self._fd_lock = threading.Lock()
-
-    @property
-    def death_fd(self) -> int:
-        return self._death_r
-
-    def gone(self) -> None:
-        """The death watch saw the actor's liveness ref resolve."""
-        with self._fd_lock:
-            if self._death_w >= 0:
-                os.write(self._death_w, b"x")
-
-    @property
-    def name(self) -> str:
-        return f"RayWorker-{self.rank}"
-
-    @property
-    def death_lag_s(self) -> float:
-        """An actor on another Ray node closes its queues before Ray reports it
-        (or its node) gone: as long as a follower node's verdict."""
-        if self.node_id in ("?", self.driver_node):
-            return _DEATH_LAG_S
-        return max(_DEATH_LAG_S, self.remote_lag_s)
-
-    def is_alive(self) -> bool:
-        ready, _ = self.ray.wait([self.liveness], timeout=0)
-        return not ready
-
-    def why_gone(self) -> str:
-        """The node and Ray's reason, for WorkerDiedError."""
-        where = f"the Ray actor on node {self.node_id}"
-        if self.is_alive():
-            return f"{where} closed its queues"
-        # The first error Ray raises may predate the cause reaching the GCS
-        # ("... died because its node has died"): ask again, briefly.
-        detail, deadline = "", time.monotonic() + _CAUSE_WAIT_S
-        while True:
-            try:
-                self.ray.get(self.liveness, timeout=0)
-                return f"{where} exited"
-            except Exception as exc:
-                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-                cause = next((line for line in lines if " because " in line
-                              or "exit detail" in line.lower()), None)
-                detail = f"{type(exc).__name__}: {cause or (lines[0] if lines else '')}"
-            if cause is not None or time.monotonic() >= deadline:
-                return f"{where} is gone ({detail})"
-            time.sleep(0.05)
-
-    def terminate(self) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        try:
-            self.ray.kill(self.actor, no_restart=True)
-        except Exception:
-            logger.debug("ray.kill(%s) failed", self.name, exc_info=True)
-
-    def join(self, timeout: float | None) -> None:
-        self.ray.wait([self.liveness], timeout=timeout)
-
-    def describe_exit(self) -> WorkerExit:
-        return WorkerExit(self.rank, self.pid, None, self.why_gone(),
-                          who=f"worker rank {self.rank} (pid {self.pid})")
-
-    def close_death_pipe(self) -> None:
-        self.kill()  # an actor has no death pipe: ending it is the message
-
-    def end_group(self) -> None:
-        pass
-
-    def close(self) -> None:
-        with self._fd_lock:
-            for fd in (self._death_r, self._death_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._death_r = self._death_w = -1
-
-    def __repr__(self) -> str:
-        return f"<ray worker rank {self.rank} pid {self.pid} node {self.node_id}>"
 
 
 class RayExecutor(Driver):
@@ -218,36 +126,33 @@ class RayExecutor(Driver):
             config.ray_placement_strategy, config.ray_placement_timeout_s)
         life.port = PortReservation(self.parallel_config.master_addr,
                                     self.parallel_config.master_port)
+        rank_nodes = bundle_nodes(ray, group, self.world_size)
+        life.stall = StallWatch(self.world_size, config.worker_stall_timeout_s,
+                                config.worker_stopped_timeout_s)
         handle = plan = None
         if self.call_path == "shm":
             plan = plan_queues(ray, group, session.node_id, self.world_size, config)
             mq = self.rpc_broadcast_mq = broadcast_queue(config, plan)
             life.queues.append(mq)
             handle = mq.export_handle()
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        gpus = 1 if config.device_type == "cuda" else 0
-        actor_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0,
-                               concurrency_groups={SUPERVISE_GROUP: 1})(RayWorkerActor)
         # The driver's code directories, so that its worker class imports there too.
         runtime_env = actor_runtime_env(session)
-        extra: dict[str, Any] = {} if runtime_env is None else {"runtime_env": runtime_env}
+        launcher = state.launcher = RayActorLauncher(session, group, rank_nodes, config,
+                                                     runtime_env)
+        # The stall watch runs where the actors are: the driver's for its
+        # own Ray node, a watch actor's for each other one (``watch``).
+        launcher.watch_stalls(life.stall)
         handles = self.actors
-        remote_lag_s = config.node_timeout_s + 2 * config.node_heartbeat_s
         for ctx in worker_contexts(config, life.port.init_method):
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=ctx.local_rank)
-            actor = actor_cls.options(scheduling_strategy=strategy, **extra).remote(
-                ctx, handle, os.getpid(), None if plan is None else plan.for_rank(ctx.rank),
-                os.getpriority(os.PRIO_PROCESS, 0))
-            handles.append(RayWorkerHandle(ray, ctx.rank, actor, session.node_id, remote_lag_s))
+            handles.append(launcher.start(
+                ctx, handle, None if plan is None else plan.for_rank(ctx.rank)))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
                                       runtime_env)
         if plan is None:
             assert self.ray_replies is not None
             self.ray_replies.attach(ray, handles)
-            state.watch_deaths(handles)
+            launcher.watch_deaths()
             life.start_monitor()
             return
         for h in handles:
@@ -263,7 +168,7 @@ class RayExecutor(Driver):
         state.serve_refs = [h.actor.serve.remote() for h in handles]
         assert self.rpc_broadcast_mq is not None
         # A remote reader cannot see its peer die: the death watch, already, can.
-        state.watch_deaths(handles)
+        launcher.watch_deaths()
         life.start_monitor()
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
                   explain_closed=partial(_death_in_handshake, life))
@@ -380,25 +285,7 @@ class _RayState:
         self.session: RaySession | None = None
         self.group: Any = None
         self.serve_refs: list[Any] = []
-        self.watcher: threading.Thread | None = None
-        self.stop = threading.Event()
-
-    def watch_deaths(self, handles: list[RayWorkerHandle]) -> None:
-        """The actors' death watch: each actor's liveness ref resolving (it
-        died, its node was lost) becomes its handle's death descriptor, which
-        the lifecycle's monitor polls with everything else."""
-        assert self.session is not None
-        ray, stop = self.session.ray, self.stop
-
-        def watch() -> None:
-            by_ref = {h.liveness: h for h in handles}
-            while by_ref and not stop.is_set():
-                ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=_WATCH_SLICE_S)
-                for ref in ready:
-                    by_ref.pop(ref).gone()
-
-        self.watcher = threading.Thread(target=watch, daemon=True, name="RayDeathWatch")
-        self.watcher.start()
+        self.launcher: RayActorLauncher | None = None
 
     def end_workers_gently(self, life: Lifecycle) -> None:
         """Let every worker run its own shutdown(), within the grace period."""
@@ -414,10 +301,8 @@ class _RayState:
             ray.wait(refs, num_returns=len(refs), timeout=self.grace_s)
 
     def close(self) -> None:
-        self.stop.set()
-        watcher = self.watcher
-        if watcher is not None and watcher is not threading.current_thread():
-            watcher.join(2 * _WATCH_SLICE_S + 5.0)
+        if self.launcher is not None:
+            self.launcher.close()
         if self.group is not None:
             remove_group(self.group)
             self.group = None

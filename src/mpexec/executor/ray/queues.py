@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpexec.config import ExecutorConfig
+from mpexec.executor.ray.cluster import bundle_nodes
 from mpexec.ipc import MessageQueue, QueueReader
 from mpexec.ipc.auth import generate_secret
 
@@ -86,9 +87,7 @@ class QueuePlan:
 def plan_queues(ray: Any, group: Any, driver_node: str, world_size: int,
                 config: ExecutorConfig) -> QueuePlan:
     """The plan for a placed group (one bundle per rank, bundle index = rank)."""
-    table = ray.util.placement_group_table(group)
-    by_bundle = table["bundles_to_node_id"]
-    rank_nodes = tuple(str(by_bundle[rank]) for rank in range(world_size))
+    rank_nodes = bundle_nodes(ray, group, world_size)
     node_ips = {str(n["NodeID"]): str(n["NodeManagerAddress"]) for n in ray.nodes()
                 if n.get("Alive", True)}
     driver_ip = node_ips.get(driver_node) or ray.util.get_node_ip_address()
