@@ -109,14 +109,20 @@ def test_serve_on_the_ray_backend(tiny_checkpoint: Path) -> None:
         assert "Traceback" not in server.log()
 
 
-def test_serve_across_two_nodes(tiny_checkpoint: Path) -> None:
+def serve_beside_a_follower(checkpoint: Path, layout: list[str], follower_port_offset: int,
+                            check_trees: Any) -> None:
+    """``mpexec serve`` as node 0 of two beside a CLI follower (dialing
+    master_port + ``follower_port_offset``): it answers as ``LLM.generate``,
+    ``check_trees(leader_pids, follower_pids, server)`` looks at the
+    processes, and SIGTERM leaves nothing: the leader exits 0, its goodbye
+    ends the follower (exit 0)."""
     from tests.multinode.nodes import SECRET, free_port, reap, start_follower
 
-    expected = offline_greedy(tiny_checkpoint)
+    expected = offline_greedy(checkpoint)
     master_port = free_port()
-    follower = start_follower(master_port, cli=True)
+    follower = start_follower(master_port + follower_port_offset, cli=True)
     try:
-        with ServerProcess(str(tiny_checkpoint), "--served-model-name", "tiny", "-tp", "2",
+        with ServerProcess(str(checkpoint), "--served-model-name", "tiny", *layout,
                            "--nnodes", "2", "--node-rank", "0", "--master-port",
                            str(master_port), "--shutdown-grace", "2",
                            env={"MPEXEC_CLUSTER_SECRET": SECRET}) as server:
@@ -124,46 +130,37 @@ def test_serve_across_two_nodes(tiny_checkpoint: Path) -> None:
             check_server_answers(server, expected)
             leader_tree = descendants(server.proc.pid)
             follower_tree = descendants(follower.pid)
-            assert any(b"Worker" in _cmdline(p) for p in follower_tree), server.log()
+            check_trees(leader_tree, follower_tree, server)
             assert server.stop() == 0, server.log()
-            # The leader's goodbye ends the follower, which exits 0 on its own.
             assert follower.wait(GONE_TIMEOUT_S) == 0
             assert not wait_gone(leader_tree | follower_tree), server.log()
             assert "Traceback" not in server.log()
     finally:
         reap(follower)
+
+
+def _workers(pids: set[int]) -> list[bytes]:
+    """The titles of the mpexec workers among ``pids``."""
+    return sorted(t.split(b"\0")[0] for t in map(_cmdline, pids)
+                  if t.startswith(b"mpexec::Worker"))
+
+
+def test_serve_across_two_nodes(tiny_checkpoint: Path) -> None:
+    def check(leader: set[int], follower: set[int], server: ServerProcess) -> None:
+        assert any(b"Worker" in _cmdline(p) for p in follower), server.log()
+
+    serve_beside_a_follower(tiny_checkpoint, ["-tp", "2"], 0, check)
 
 
 def test_serve_with_a_data_parallel_replica_on_another_node(tiny_checkpoint: Path) -> None:
     """``serve -dp 2 --nnodes 2``: replica 1's worker lives on the follower,
     which dials master_port + 1; the answers are one replica's."""
-    from tests.multinode.nodes import SECRET, free_port, reap, start_follower
+    def check(leader: set[int], follower: set[int], server: ServerProcess) -> None:
+        # replica 1's worker on the follower, replica 0's here
+        assert _workers(follower) == [b"mpexec::Worker_DP1"], server.log()
+        assert _workers(leader) == [b"mpexec::Worker_DP0"], server.log()
 
-    expected = offline_greedy(tiny_checkpoint)
-    master_port = free_port()
-    follower = start_follower(master_port + 1, cli=True)
-    try:
-        with ServerProcess(str(tiny_checkpoint), "--served-model-name", "tiny", "-dp", "2",
-                           "--nnodes", "2", "--node-rank", "0", "--master-port",
-                           str(master_port), "--shutdown-grace", "2",
-                           env={"MPEXEC_CLUSTER_SECRET": SECRET}) as server:
-            server.wait_ready()
-            check_server_answers(server, expected)
-            leader_tree = descendants(server.proc.pid)
-            follower_tree = descendants(follower.pid)
-            def workers(pids: set[int]) -> list[bytes]:
-                return sorted(t.split(b"\0")[0] for t in map(_cmdline, pids)
-                              if t.startswith(b"mpexec::Worker"))
-
-            # replica 1's worker on the follower, replica 0's here
-            assert workers(follower_tree) == [b"mpexec::Worker_DP1"], server.log()
-            assert workers(leader_tree) == [b"mpexec::Worker_DP0"], server.log()
-            assert server.stop() == 0, server.log()
-            assert follower.wait(GONE_TIMEOUT_S) == 0
-            assert not wait_gone(leader_tree | follower_tree), server.log()
-            assert "Traceback" not in server.log()
-    finally:
-        reap(follower)
+    serve_beside_a_follower(tiny_checkpoint, ["-dp", "2"], 1, check)
 
 
 def _cmdline(pid: int) -> bytes:

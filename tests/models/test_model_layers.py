@@ -55,10 +55,12 @@ def new_cache(stage: LlamaStage, blocks: int = 64) -> KVCache:
                    dtype=stage.dtype, device=CPU)
 
 
-def run(stage: LlamaStage, cache: KVCache, chunks: list[tuple[list[int], list[int], int]]
-        ) -> Any:
-    """One step: per request (tokens, block table, start); logits of every row."""
-    layout = [ScheduledRequest(blocks, start, len(tokens)) for tokens, blocks, start in chunks]
+def run(stage: LlamaStage, cache: KVCache, chunks: list[tuple[list[int], list[int], int]],
+        verify: bool = False) -> Any:
+    """One step: per request (tokens, block table, start); logits of every row
+    (``verify``: each chunk is a decode token with its drafts)."""
+    layout = [ScheduledRequest(blocks, start, len(tokens), verify)
+              for tokens, blocks, start in chunks]
     ids = torch.tensor([t for tokens, _, _ in chunks for t in tokens])
     positions = torch.tensor([start + i for tokens, _, start in chunks
                               for i in range(len(tokens))])

@@ -23,10 +23,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from tests.models.test_model_layers import BLOCK, CPU, new_cache  # noqa: E402
+from tests.models.test_model_layers import new_cache, run as step  # noqa: E402
 from tests.models.test_quantized import build  # noqa: E402
-
-from mpexec.models.kv_cache import ScheduledRequest, build_attention_batch  # noqa: E402
 
 PROMPT_LEN = 481  # long enough that a multi-row attention sums differently (301: it did not)
 STEPS = 12
@@ -51,20 +49,6 @@ def packed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                       num_key_value_heads=2, intermediate_size=512,
                                       num_hidden_layers=2, max_position_embeddings=1024)
     return write_tiny_gguf(base / "q4_0.gguf", directory, qtype="Q4_0")
-
-
-def step(stage: Any, cache: Any, chunks: list[tuple[list[int], list[int], int]],
-         verify: bool = False) -> Any:
-    """One forward: per request (tokens, block table, start); every row's logits."""
-    layout = [ScheduledRequest(blocks, start, len(tokens), verify)
-              for tokens, blocks, start in chunks]
-    ids = torch.tensor([t for tokens, _, _ in chunks for t in tokens])
-    positions = torch.tensor([start + i for tokens, _, start in chunks
-                              for i in range(len(tokens))])
-    batch = build_attention_batch(layout, BLOCK, CPU)
-    hidden, residual = stage.forward(positions=positions, batch=batch, cache=cache,
-                                     token_ids=ids)
-    return stage.compute_logits(hidden, residual, torch.arange(len(ids)))
 
 
 def decode(stage: Any, cache: Any, prompt: list[int], blocks: list[int]

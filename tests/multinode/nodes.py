@@ -8,6 +8,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.conftest import descendants
 
@@ -23,10 +26,14 @@ def free_port() -> int:
 
 
 def start_follower(port: int, node_rank: int = 1, nnodes: int = 2,
-                   secret: str = SECRET, cli: bool = False) -> subprocess.Popen[bytes]:
-    """A follower in a new session: its own process tree, not one of ours."""
+                   secret: str = SECRET, cli: bool = False,
+                   node_id: str | None = None) -> subprocess.Popen[bytes]:
+    """A follower in a new session: its own process tree, not one of ours
+    (``node_id``: seen as that node, MPEXEC_NODE_ID)."""
     env = {**os.environ, "MPEXEC_CLUSTER_SECRET": secret,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    if node_id is not None:
+        env["MPEXEC_NODE_ID"] = node_id
     if cli:
         args = [sys.executable, "-m", "mpexec", "node", "--nnodes", str(nnodes),
                 "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
@@ -74,3 +81,14 @@ def signal_tree(pid: int, signum: int) -> set[int]:
         except ProcessLookupError:
             pass
     return tree
+
+
+def kill_during(stream: Any, pid: int, after: int) -> None:
+    """Read ``stream`` and kill ``pid``'s tree after ``after`` outputs: the
+    stream must end in the ``WorkerDiedError`` that names node 1."""
+    from mpexec.errors import WorkerDiedError
+
+    with pytest.raises(WorkerDiedError, match="node 1"):
+        for n, _ in enumerate(stream):
+            if n == after:
+                kill_tree(pid)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ pytest.importorskip("zmq")
 
 from mpexec.config import ParallelConfig
 from mpexec.executor.nodes import wire as nodewire
-from tests.multinode.nodes import ROOT, SECRET, free_port, kill_tree, reap
+from tests.multinode.nodes import SECRET, free_port, kill_during, kill_tree, reap, start_follower
 
 pytestmark = [pytest.mark.usefixtures("leak_check")]
 
@@ -75,19 +74,7 @@ def test_a_follower_at_another_replicas_port_is_told_so() -> None:
 def start_node(port: int, node_rank: int, nnodes: int, node_id: str,
                cli: bool = False) -> subprocess.Popen[bytes]:
     """Follower ``node_rank`` in its own session, seen as node ``node_id``."""
-    env = {**os.environ, "MPEXEC_CLUSTER_SECRET": SECRET, "MPEXEC_NODE_ID": node_id,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    if cli:
-        args = [sys.executable, "-m", "mpexec", "node", "--nnodes", str(nnodes),
-                "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
-                "--master-port", str(port)]
-    else:
-        args = [sys.executable, "-c",
-                "import sys; from mpexec.executor.nodes.follower import run_follower; "
-                f"sys.exit(run_follower({nnodes}, {node_rank}, '127.0.0.1', {port}, "
-                "join_timeout_s=60))"]
-    return subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    return start_follower(port, node_rank, nnodes, cli=cli, node_id=node_id)
 
 
 @pytest.fixture
@@ -165,7 +152,6 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
 @pytest.mark.timeout(180)
 def test_follower_killed_mid_generate_is_the_typed_error(
         tiny_checkpoint: Path, leader_node_id: None) -> None:
-    from mpexec import WorkerDiedError
 
     port = free_port()
     follower = start_node(port + 1, 1, 2, "follower-1")
@@ -173,11 +159,7 @@ def test_follower_killed_mid_generate_is_the_typed_error(
         llm = make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
                        cluster_secret=SECRET, execute_model_timeout_s=60.0)
         try:
-            stream = llm.generate_stream(PROMPTS, greedy(300))
-            with pytest.raises(WorkerDiedError, match="node 1"):
-                for n, _ in enumerate(stream):
-                    if n == 6:
-                        kill_tree(follower.pid)
+            kill_during(llm.generate_stream(PROMPTS, greedy(300)), follower.pid, after=6)
             assert llm.engine.is_dead
         finally:
             llm.shutdown()
