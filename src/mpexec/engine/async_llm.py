@@ -215,8 +215,11 @@ class AsyncLLM:
                 self._wake.clear()
                 self._apply_commands()
                 if self.engine.is_dead:
-                    self._fail(self.engine.error or EngineDeadError(
-                        "the engine failed: its executor reported a worker failure"))
+                    # failed through the executor's callback: its first
+                    # error (which worker, how) is the streams' error
+                    self._fail(self.engine.error or self.engine.executor.failure or
+                               EngineDeadError("the engine failed: its executor "
+                                               "reported a worker failure"))
                     return
                 if not self.engine.has_unfinished_requests():
                     self._publish()  # aborted requests end here
