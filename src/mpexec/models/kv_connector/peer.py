@@ -73,6 +73,7 @@ from mpexec.models.kv_connector.peer_wire import (
     KIND_LOOKUP,
     PeerClient,
     PeerServer,
+    SendRing,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ DEFAULT_TIMEOUT_S = 2.0
 RETRY_S = 5.0
 MAX_ERRORS_KEPT = 1024  # the latest requests' errors (a long-running server's memory)
 CHUNK_BYTES = 1 << 20  # a FETCH reply's chunk (whole planes): hashed while the last one travels
+RING_SLOTS = 8  # FETCH chunks gathered ahead of the socket (the SendRing)
+RING_WAIT_S = 30.0  # a chunk ZeroMQ still holds after this: a stalled reader, reply failed
 _SETTINGS = {"endpoint", "transport", "timeout_s", "secret"}
 
 
@@ -178,6 +181,7 @@ class PeerKVConnector(KVConnectorBase):
         self._invalid: set[int] = set()
         # sockets: the producer's servers start with their side; clients on first use
         self._server: PeerServer | None = None
+        self._ring = SendRing(RING_SLOTS, RING_WAIT_S)  # used by the shard server's thread
         self._clients: dict[str, PeerClient] = {}
         if role is KVConnectorRole.SCHEDULER and self.produces:
             self._server = PeerServer(self.endpoint, self._secret, self._serve_index,
@@ -364,9 +368,9 @@ class PeerKVConnector(KVConnectorBase):
 
         A *plane* is one layer's K or V of the asked blocks and heads; the
         planes of ``layers`` are numbered layer-major (``2 * layer + kv``).
-        Each chunk is gathered into a buffer of its own between two
+        Each chunk is gathered into a buffer of the send ring between two
         generation checks (the cache may be overwritten once they passed; a
-        buffer handed to ZeroMQ is not).
+        buffer handed to ZeroMQ is not, until ZeroMQ has sent it).
         """
         import torch
 
@@ -390,7 +394,9 @@ class PeerKVConnector(KVConnectorBase):
         pairs = list(runs([(b, i) for i, b in enumerate(blocks)]))
         for first in range(0, planes, step):
             last = min(first + step, planes)
-            out = torch.empty((last - first, tokens, *source.shape[2:]), dtype=source.dtype)
+            buffer = self._ring.take((last - first) * plane_bytes)
+            out = torch.frombuffer(buffer, dtype=source.dtype)
+            out = out.view(last - first, tokens, *source.shape[2:])
             if not shared.whole(blocks, gens):
                 yield {"ok": False}, []
                 return
@@ -403,7 +409,7 @@ class PeerKVConnector(KVConnectorBase):
             reply: dict[str, Any] = {"ok": True, "planes": [first, last]}
             if last < planes:
                 reply["more"] = True
-            yield reply, [out.view(-1).view(torch.uint8).numpy()]
+            yield reply, [self._ring.frame()]
 
     # -- worker side: consumer -------------------------------------------------------
 
@@ -523,6 +529,7 @@ class PeerKVConnector(KVConnectorBase):
         return done
 
     def close(self) -> None:
+        self._ring.close()  # ends a wait of the shard server's thread
         if self._server is not None:
             self._server.close()
             self._server = None
