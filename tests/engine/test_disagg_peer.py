@@ -277,7 +277,8 @@ def test_blocks_reused_by_the_producer_are_never_loaded(transport: str,
     every block of that load reported invalid (so the scheduler recomputes
     them), and the index stops offering the block.  A block handed out again
     before its save was published is never published.  Over ZeroMQ each
-    plane (a layer's K or V) is its own reply of the stream.  The producer's
+    plane (a layer's K or V) is its own reply of the stream, gathered into
+    the one buffer of the send ring once ZeroMQ has sent the last.  The producer's
     cache outlives its connector."""
     import torch
 
@@ -291,6 +292,7 @@ def test_blocks_reused_by_the_producer_are_never_loaded(transport: str,
     from mpexec.outputs import KVConnectorOutput
 
     monkeypatch.setattr(peer_module, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(peer_module, "RING_SLOTS", 1)  # each chunk waits for the last one sent
     caches = [KVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
                       dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
     extra = peer("kv_producer", free_ports(2), transport)["kv_connector_extra_config"]

@@ -15,9 +15,10 @@ and loads them instead of computing::
                          copy per run of consecutive blocks, straight from its cache
                          into ours (a generation check around it)
         transport "zmq": FETCH(blocks, gens, layers, heads) -> the bytes, gathered from
-                         the producer worker's cache by its server thread and sent in
-                         chunks (about CHUNK_BYTES), each copied into our cache as it
-                         arrives: hashing, sending and copying overlap
+                         the producer worker's cache by its server thread into a ring
+                         of RING_SLOTS reused send buffers and sent in chunks (about
+                         CHUNK_BYTES), each copied into our cache as it arrives:
+                         hashing, sending and copying overlap
 
 Every message is authenticated (:mod:`peer_wire`); ``endpoint`` is the
 producer scheduler's ``tcp://host:port`` (its workers use the next ports).
@@ -83,7 +84,6 @@ RETRY_S = 5.0
 MAX_ERRORS_KEPT = 1024  # the latest requests' errors (a long-running server's memory)
 CHUNK_BYTES = 1 << 20  # a FETCH reply's chunk (whole planes): hashed while the last one travels
 RING_SLOTS = 8  # FETCH chunks gathered ahead of the socket (the SendRing)
-RING_WAIT_S = 30.0  # a chunk ZeroMQ still holds after this: a stalled reader, reply failed
 _SETTINGS = {"endpoint", "transport", "timeout_s", "secret"}
 
 
@@ -181,7 +181,9 @@ class PeerKVConnector(KVConnectorBase):
         self._invalid: set[int] = set()
         # sockets: the producer's servers start with their side; clients on first use
         self._server: PeerServer | None = None
-        self._ring = SendRing(RING_SLOTS, RING_WAIT_S)  # used by the shard server's thread
+        # the shard server's send buffers; a consumer that takes none for timeout_s has
+        # given up on its stream (its own timeout_s, the same by default)
+        self._ring = SendRing(RING_SLOTS, self.timeout_s)
         self._clients: dict[str, PeerClient] = {}
         if role is KVConnectorRole.SCHEDULER and self.produces:
             self._server = PeerServer(self.endpoint, self._secret, self._serve_index,

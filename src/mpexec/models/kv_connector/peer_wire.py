@@ -190,6 +190,9 @@ class PeerServer:
             for reply, data in replies:
                 self._send(identity, opened.kind, opened.seq, index, reply, data)
                 index += 1
+                # let go of the frames sent before the handler makes the next reply: it
+                # may wait for ZeroMQ to let go of them too (a SendRing of one slot)
+                del reply, data
         except Exception as exc:  # the client gets the reason, the server goes on
             logger.warning("%s: request kind %d failed: %r", self.what, opened.kind, exc)
             self._send(identity, opened.kind, opened.seq, index,
