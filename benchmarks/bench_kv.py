@@ -28,10 +28,15 @@ Prints one table from one run::
    before and one right after each transfer;
 5. the same bytes fetched with ``PeerKVConnector`` over authenticated
    ZeroMQ on loopback (the consumer worker's FETCH: the producer's gather,
-   HMAC-SHA256 of every byte on both sides, the copy into the cache, in
+   the MAC of every byte on both sides - keyed BLAKE3 under an HMAC, or
+   SHA-256 without the blake3 package - the copy into the cache, in
    chunks of a few layers that overlap)
    against raw pyzmq moving the same bytes the same way (ROUTER thread ->
-   DEALER, zero-copy, no MAC); target >= 0.7x.  Also the SHA-256 rate;
+   DEALER, zero-copy, no MAC); target >= 0.7x.  Then the CPU seconds the
+   process spends per transfer (all threads, ZeroMQ's included) for both,
+   which a loaded machine disturbs far less than wall time; each stage of
+   the fetch alone on one thread (thread CPU time: gather, seal, open,
+   copy into the cache); and the SHA-256 and keyed BLAKE3 rates;
 6. inter-token latency of ``--decoders`` decoding requests while three
    ``--long-len``-token prompts arrive (every ``--arrival-every`` steps):
    one colocated engine, against a consumer engine whose long prompts'
@@ -206,7 +211,7 @@ def peer_transfer(args: argparse.Namespace, transport: str) -> dict[str, float]:
     saver.register_kv_caches(caches[0])  # its tensor is now the shared segment
     loader.register_kv_caches(caches[1])
     tokens = slice(0, blocks * 16)
-    times: dict[str, list[float]] = {"save": [], "load": [], "memcpy": []}
+    times: dict[str, list[float]] = {"save": [], "load": [], "memcpy": [], "load_cpu": []}
     try:
         for attempt in range(args.repeats + 1):  # the first maps the pages: not counted
             hashes = [random.randbytes(16) for _ in range(blocks)]
@@ -228,9 +233,10 @@ def peer_transfer(args: argparse.Namespace, transport: str) -> dict[str, float]:
             assert found == blocks * 16, found
             asker.update_state_after_alloc(request, list(range(blocks)), found)
             loader.bind_connector_metadata(asker.build_connector_meta(None))
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), _process_cpu_s()
             loader.start_load_kv()
             load = time.perf_counter() - started
+            load_cpu = _process_cpu_s() - cpu
             assert not loader.get_finished()[2], "a load failed"
             assert torch.equal(caches[0].tensor[:, :, tokens], caches[1].tensor[:, :, tokens])
             memcpy = min(_copy_s(caches, tokens), memcpy)
@@ -238,16 +244,80 @@ def peer_transfer(args: argparse.Namespace, transport: str) -> dict[str, float]:
                 times["save"].append(save)
                 times["load"].append(load)
                 times["memcpy"].append(memcpy)
+                times["load_cpu"].append(load_cpu)
+        if transport == "zmq":
+            stages = fetch_stages(saver, loader, loader._metadata.loads[0])
     finally:
         for side in sides:
             side.close()
     result = {name: statistics.median(values) for name, values in times.items()}
+    if transport == "zmq":
+        result.update(stages)
     result["bytes"] = float(caches[0].tensor[:, :, tokens].numel() * 4)
     return result
 
 
-def raw_zmq(nbytes: int, repeats: int) -> float:
-    """Median seconds for pyzmq to bring ``nbytes`` from a ROUTER thread to a DEALER."""
+def _process_cpu_s() -> float:
+    """CPU seconds of this process so far, all its threads (ZeroMQ's included)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def fetch_stages(saver: Any, loader: Any, load: Any) -> dict[str, float]:
+    """Thread CPU seconds of each stage of one ZeroMQ fetch of ``load``, run one
+    after the other on this thread (no sockets, no overlap): the producer's
+    gather (cache -> chunk buffers), the seal of every chunk, the consumer's
+    open (MAC check) and its copy into the cache."""
+    import json
+
+    from mpexec.ipc.auth import DropCounter
+    from mpexec.models.kv_connector.peer import worker_endpoint
+    from mpexec.models.kv_connector.peer_wire import KIND_FETCH, REPLY, _auths
+
+    shape = saver.shared.shape
+    request = {"blocks": load.sources, "gens": load.gens, "layers": list(shape.layers),
+               "heads": list(shape.heads)}
+    _, replies = _auths(saver._secret)
+    chunks, gather = [], 0.0
+    fetch = saver._fetch(request)
+    while True:  # each chunk's frame let go of at once: its ring buffer comes round again
+        started = time.thread_time()
+        chunk = next(fetch, None)
+        gather += time.thread_time() - started
+        if chunk is None:
+            break
+        chunks.append((chunk[0], [bytes(part) for part in chunk[1]]))
+        del chunk
+    started = time.thread_time()
+    sealed = [replies.seal(KIND_FETCH | REPLY, 0, 1, [json.dumps(reply).encode(), *data],
+                           aux=index) for index, (reply, data) in enumerate(chunks)]
+    seal = time.thread_time() - started
+    drops = DropCounter("bench")
+    started = time.thread_time()
+    opened = [replies.open(frames, drops) for frames in sealed]
+    open_ = time.thread_time() - started
+    assert all(o is not None for o in opened) and not drops.total
+
+    class _Replayed:  # the stream, already opened
+        def stream(self, *_: Any) -> Any:
+            return ((json.loads(bytes(o.parts[0])), o.parts[1:]) for o in opened)
+
+    endpoint = worker_endpoint(loader.endpoint, 0)
+    real, loader._clients[endpoint] = loader._clients[endpoint], _Replayed()
+    try:
+        started = time.thread_time()
+        assert loader._copy_zmq(endpoint, load, shape.layers, shape.heads)
+        copy = time.thread_time() - started
+    finally:
+        loader._clients[endpoint] = real
+    return {"gather_cpu": gather, "seal_cpu": seal, "open_cpu": open_, "copy_cpu": copy}
+
+
+def raw_zmq(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Median seconds for pyzmq to bring ``nbytes`` from a ROUTER thread to a
+    DEALER, and median CPU seconds of this process (all threads) meanwhile."""
     import zmq
 
     port = free_ports(1)
@@ -266,30 +336,43 @@ def raw_zmq(nbytes: int, repeats: int) -> float:
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
-    times = []
+    times, cpus = [], []
     try:
         for attempt in range(repeats + 1):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), _process_cpu_s()
             dealer.send(b"fetch")
             frames = dealer.recv_multipart(copy=False)
             assert len(frames[1].buffer) == nbytes
             if attempt:
                 times.append(time.perf_counter() - started)
+                cpus.append(_process_cpu_s() - cpu)
         server.join(timeout=30)
     finally:
         router.close()
         dealer.close()
         context.term()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpus)
 
 
-def sha256_rate(nbytes: int) -> float:
+def hash_rates(nbytes: int) -> dict[str, float]:
+    """GB/s of SHA-256 and of keyed BLAKE3 (if installed) over ``nbytes``, one thread."""
     import hashlib
 
     data = os.urandom(nbytes)
-    started = time.perf_counter()
-    hashlib.sha256(data).digest()
-    return nbytes / (time.perf_counter() - started) / 1e9
+    hashers: dict[str, Any] = {"SHA-256": hashlib.sha256}
+    try:
+        from blake3 import blake3
+
+        key = os.urandom(32)
+        hashers["keyed BLAKE3"] = lambda data: blake3(data, key=key)
+    except ImportError:
+        pass
+    rates = {}
+    for name, hasher in hashers.items():
+        started = time.thread_time()
+        hasher(data).digest()
+        rates[name] = nbytes / (time.thread_time() - started) / 1e9
+    return rates
 
 
 def _decode_gaps(llm: LLM, decoders: list[list[int]], longs: list[list[int]],
@@ -419,12 +502,27 @@ def transfer_rows(args: argparse.Namespace, rows: list[list[str]]) -> None:
                      f"{rate:.2f}", f"{base:.2f}", f"{rate / base:.2f}x",
                      ">= 0.5x" if label == "save + load" else ""])
     net = peer_transfer(args, "zmq")
-    raw = size / raw_zmq(int(size), args.repeats) / 1e9
-    rate = size / net["load"] / 1e9
-    rows.append(["PeerKVConnector ZeroMQ fetch (HMAC) vs raw pyzmq, loopback, GB/s",
+    raw_s, raw_cpu = raw_zmq(int(size), args.repeats)
+    raw, rate = size / raw_s / 1e9, size / net["load"] / 1e9
+    rows.append([f"PeerKVConnector ZeroMQ fetch ({body_mac()}) vs raw pyzmq, loopback, GB/s",
                  f"{rate:.2f}", f"{raw:.2f}", f"{rate / raw:.2f}x", ">= 0.7x"])
-    sha = sha256_rate(int(size))
-    rows.append(["SHA-256 of the same bytes (one core), GB/s", f"{sha:.2f}", "", "", ""])
+    rows.append(["  CPU seconds of the process (all threads) per transfer, ms",
+                 f"{net['load_cpu'] * 1e3:.0f}", f"{raw_cpu * 1e3:.0f}",
+                 f"{net['load_cpu'] / raw_cpu:.2f}x", ""])
+    for stage in ("gather", "seal", "open", "copy"):
+        cpu = net[f"{stage}_cpu"]
+        rows.append([f"  stage {stage}, one thread alone: CPU ms, GB/s", f"{cpu * 1e3:.1f}",
+                     f"{size / cpu / 1e9:.2f}", "", ""])
+    for name, hashed in hash_rates(int(size)).items():
+        rows.append([f"{name} of the same bytes (one thread), GB/s", f"{hashed:.2f}", "", "",
+                     ""])
+
+
+def body_mac() -> str:
+    """What authenticates a large frame's bytes here (see mpexec.ipc.auth)."""
+    from mpexec.ipc import auth
+
+    return "keyed BLAKE3" if auth._blake3 is not None else "HMAC-SHA256"
 
 
 if __name__ == "__main__":

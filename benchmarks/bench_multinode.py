@@ -227,7 +227,7 @@ def bench_broadcast(reps: int) -> None:
     print(render(f"2. 64 MiB to a reader in another process on loopback (median of {reps})",
                  ["path", "median ms", "MB/s"],
                  [["raw ZeroMQ zero-copy send", f"{percentile(raw, 50) * 1e3:.1f}", mbs(raw)],
-                  ["mpexec remote queue (HMAC over 64 MiB)", f"{percentile(ours, 50) * 1e3:.1f}",
+                  ["mpexec remote queue (MAC over 64 MiB)", f"{percentile(ours, 50) * 1e3:.1f}",
                    mbs(ours)]]))
 
 

@@ -138,15 +138,22 @@ def test_a_long_stream_arrives_whole_and_in_order() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_stream_reply_repeated_or_out_of_order_is_refused() -> None:
-    """Authentic chunks replayed within a stream, or out of their order, are
-    refused: the index each carries is under the MAC."""
+@pytest.mark.parametrize("case", ["repeated", "reordered", "flipped byte", "another key",
+                                  "another stream"])
+def test_a_stream_chunk_replayed_reordered_or_forged_is_refused(case: str) -> None:
+    """Chunks of a stream carry their index under the MAC (keyed BLAKE3 of
+    their bytes, HMAC of the header): an authentic chunk repeated, one out of
+    its order, one with a flipped byte, one sealed with another secret and one
+    replayed from another request's stream are each refused; nothing of a
+    refused chunk reaches the caller."""
     import zmq
 
     from mpexec.ipc.auth import DropCounter
     from mpexec.models.kv_connector.peer_wire import KIND_FETCH, REPLY, PeerClient, _auths
 
     requests, replies = _auths(SECRET)
+    _, forger = _auths("another-secret-0123456789abcdef")
+    chunk = [os.urandom(200_000) for _ in range(2)]  # large: frames of their own
     endpoint = f"tcp://127.0.0.1:{free_ports(1)}"
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -154,27 +161,102 @@ def test_a_stream_reply_repeated_or_out_of_order_is_refused() -> None:
     router.setsockopt(zmq.RCVTIMEO, 10_000)  # a client that never asks: no hang
     router.bind(endpoint)
     client = PeerClient(endpoint, SECRET, "test client")
+
+    def seal(seq: int, index: int, by: Any = replies) -> list[Any]:
+        return [bytes(f) for f in by.seal(KIND_FETCH | REPLY, 0, seq,
+                                          [b'{"more": true}', chunk[index]], aux=index)]
+
+    def answer(frames_of: Any) -> None:
+        identity, *frames = router.recv_multipart()
+        opened = requests.open(frames, DropCounter("test"))
+        assert opened is not None
+        for frames in frames_of(opened.seq):
+            router.send_multipart([identity, *frames])
+
+    def answers(seq: int) -> list[list[Any]]:
+        if case == "repeated":
+            return [seal(seq, 0), seal(seq, 0)]
+        if case == "reordered":
+            return [seal(seq, 1)]
+        if case == "flipped byte":
+            first, data = seal(seq, 0)
+            return [[first, data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]], seal(seq, 1)]
+        if case == "another key":
+            return [seal(seq, 0, forger), seal(seq, 1)]
+        return [old[0], seal(seq, 1)]  # "another stream": chunk 0 of the previous request
+
+    old: list[list[Any]] = []
     try:
-        for order in ([0, 0], [1]):
+        if case == "another stream":  # an earlier request's stream, recorded
+            def record(seq: int) -> list[list[Any]]:
+                old.append(seal(seq, 0))
+                return old
+
             stream = client.stream(KIND_FETCH, {}, 10.0)
-
-            def answer(order: list[int] = order) -> None:
-                identity, *frames = router.recv_multipart()
-                opened = requests.open(frames, DropCounter("test"))
-                assert opened is not None
-                for aux in order:
-                    router.send_multipart([identity, *replies.seal(
-                        KIND_FETCH | REPLY, 0, opened.seq, [b'{"more": true}'], aux=aux)])
-
-            replier = threading.Thread(target=answer)
+            replier = threading.Thread(target=answer, args=(record,))
             replier.start()
-            with pytest.raises(ValueError, match="was due"):
-                list(stream)
+            assert bytes(next(stream)[1][0]) == chunk[0]
             replier.join(timeout=10)
+            stream.close()
+        stream = client.stream(KIND_FETCH, {}, 10.0)
+        replier = threading.Thread(target=answer, args=(answers,))
+        replier.start()
+        got = []
+        with pytest.raises(ValueError, match="was due"):
+            for _, parts in stream:
+                got.append(bytes(parts[0]))
+        replier.join(timeout=10)
+        assert got == ([chunk[0]] if case == "repeated" else [])
+        refused = {"flipped byte": 1, "another key": 1}.get(case, 0)
+        assert client._drops.by_reason.get("bad mac", 0) == refused
     finally:
         client.close()
         router.close()
         context.term()
+
+
+@pytest.mark.timeout(60)
+def test_the_send_ring_refills_a_buffer_only_once_zeromq_let_go_of_it() -> None:
+    """A frame still held (queued in ZeroMQ) keeps its buffer: the ring waits,
+    and past its bound gives the buffer up to ZeroMQ and takes a fresh one; a
+    frame let go of gives its buffer back; closing the ring ends a wait."""
+    from mpexec.models.kv_connector.peer_wire import SendRing
+
+    ring = SendRing(2, timeout_s=0.2)
+    view = ring.take(1000)
+    view[:] = b"a" * 1000
+    held = ring.frame()
+    second = ring.take(500)
+    released = ring.frame()
+    with pytest.raises(TimeoutError, match="still queued"):
+        ring.take(1000)  # slot 0: ``held`` is still alive
+    fresh = ring.take(1000)
+    assert fresh.obj is not view.obj
+    fresh[:] = b"b" * 1000
+    assert bytes(held) == b"a" * 1000  # what ZeroMQ holds is never overwritten
+    ring.frame()
+    del released
+    assert ring.take(400).obj is second.obj  # slot 1, let go of: the same buffer again
+    ring.frame()
+
+    waiting = SendRing(1, timeout_s=30.0)
+    waiting.take(10)
+    keep = waiting.frame()
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            waiting.take(10)
+        except BaseException as exc:
+            errors.append(exc)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    time.sleep(0.2)
+    waiting.close()
+    taker.join(timeout=5)
+    assert not taker.is_alive() and "closed" in str(errors[0])
+    del keep, held
 
 
 class _Request:
@@ -195,7 +277,8 @@ def test_blocks_reused_by_the_producer_are_never_loaded(transport: str,
     every block of that load reported invalid (so the scheduler recomputes
     them), and the index stops offering the block.  A block handed out again
     before its save was published is never published.  Over ZeroMQ each
-    plane (a layer's K or V) is its own reply of the stream.  The producer's
+    plane (a layer's K or V) is its own reply of the stream, gathered into
+    the one buffer of the send ring once ZeroMQ has sent the last.  The producer's
     cache outlives its connector."""
     import torch
 
@@ -209,6 +292,7 @@ def test_blocks_reused_by_the_producer_are_never_loaded(transport: str,
     from mpexec.outputs import KVConnectorOutput
 
     monkeypatch.setattr(peer_module, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(peer_module, "RING_SLOTS", 1)  # each chunk waits for the last one sent
     caches = [KVCache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
                       dtype=torch.float32, device=torch.device("cpu")) for _ in range(2)]
     extra = peer("kv_producer", free_ports(2), transport)["kv_connector_extra_config"]

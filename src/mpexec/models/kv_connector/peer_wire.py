@@ -9,7 +9,8 @@
                                                ... until a reply's JSON has no "more"
 
 Frames are :class:`mpexec.ipc.auth.FrameAuth`'s (the multi-node
-transport's): HMAC-SHA256 over the header and every byte, keyed per
+transport's): HMAC-SHA256 over the header and the keyed BLAKE3 hash of
+every byte (SHA-256 where the ``blake3`` package is missing), keyed per
 direction from the cluster secret (``derive_key(secret, "kv-peer",
 "request" | "reply")``).  A frame whose MAC does not verify is dropped
 (counted) before anything is parsed, and what is parsed is JSON and raw
@@ -20,13 +21,19 @@ gave up on (its timeout) is dropped.
 
 A handler may answer with a stream of replies (a generator): the server
 seals and sends each as soon as the handler yields it, so the hashing of
-the next one overlaps the sending of this one (hashlib and the copies
-release the GIL; ZeroMQ sends from its own thread), and
+the next one overlaps the sending of this one (blake3, hashlib and the
+copies release the GIL; ZeroMQ sends from its own thread), and
 :meth:`PeerClient.stream` hands each over once its MAC is checked, so the
 receiver's hashing and copying overlap the arrival of the next.  Each
 reply of a stream carries its index in the header's ``aux`` (covered by
 the MAC), so replies cannot be dropped, reordered or repeated unnoticed;
 the last one says so in its (authenticated) JSON (``"more"`` absent).
+
+A stream's large parts are best sent from a :class:`SendRing`: a few
+buffers reused in turn, each refilled only once ZeroMQ has let go of the
+frame made from it.  Fresh buffers would cost their page faults on every
+chunk (about as much CPU as filling them), and the ring bounds how much of
+a stream waits in memory for a slow reader.
 
 Requests are reads that change nothing on the server, so one replayed by
 a third party only gets a fresh answer back, which its sender could not
@@ -48,7 +55,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mpexec.ipc.auth import DropCounter, FrameAuth, derive_key
+from mpexec.ipc.auth import DropCounter, FrameAuth, Opened, derive_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,59 @@ def zmq_module() -> Any:
         raise ImportError("PeerKVConnector needs pyzmq: pip install 'mpexec[multinode]'") \
             from exc
     return zmq
+
+
+class SendRing:
+    """``slots`` send buffers, handed out in turn (one thread), each reused once
+    ZeroMQ is done with the zero-copy frame made from it.
+
+    ``take(nbytes)`` returns a writable view of the next buffer after
+    waiting, at most ``timeout_s``, until the frame last made from it has
+    been sent (its tracker); ``frame()`` wraps the view just taken as a
+    tracked zero-copy frame, the part to send.  A buffer that ZeroMQ still
+    holds at the deadline (a stalled reader) is left to it and replaced;
+    :meth:`close` ends every wait at once.
+    """
+
+    def __init__(self, slots: int, timeout_s: float) -> None:
+        self._buffers: list[bytearray | None] = [None] * slots
+        self._trackers: list[Any] = [None] * slots
+        self._timeout_s = timeout_s
+        self._next = 0
+        self._view: memoryview | None = None
+        self._closed = threading.Event()
+
+    def take(self, nbytes: int) -> memoryview:
+        zmq = zmq_module()
+        slot = self._next
+        tracker = self._trackers[slot]
+        deadline = time.monotonic() + self._timeout_s
+        while tracker is not None and not tracker.done:
+            if self._closed.is_set() or time.monotonic() > deadline:
+                self._buffers[slot] = self._trackers[slot] = None  # ZeroMQ's now
+                raise TimeoutError("send ring closed" if self._closed.is_set() else
+                                   f"a send buffer still queued after {self._timeout_s:g} s")
+            try:
+                tracker.wait(POLL_MS / 1000)
+            except zmq.NotDone:
+                pass
+        buffer = self._buffers[slot]
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._buffers[slot] = bytearray(nbytes)
+        self._view = memoryview(buffer)[:nbytes]
+        return self._view
+
+    def frame(self) -> Any:
+        """The buffer last taken, as a tracked zero-copy frame (then the next slot's turn)."""
+        assert self._view is not None, "take() first"
+        frame = zmq_module().Frame(self._view, copy=False, track=True)
+        self._trackers[self._next] = frame.tracker
+        self._next = (self._next + 1) % len(self._buffers)
+        self._view = None
+        return frame
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 Reply = tuple[dict[str, Any], list[Any]]  # JSON, then raw parts (buffers)
@@ -116,19 +176,27 @@ class PeerServer:
             if len(frames) < 2:
                 continue
             opened = self._requests.open(frames[1:], self._drops)
-            if opened is None:
-                continue
-            index = 0
-            try:
-                answer = self._handler(opened.kind, json.loads(bytes(opened.parts[0])))
-                replies = iter([answer]) if isinstance(answer, tuple) else answer
-                for reply, data in replies:
-                    self._send(frames[0], opened.kind, opened.seq, index, reply, data)
-                    index += 1
-            except Exception as exc:  # the client gets the reason, the server goes on
-                logger.warning("%s: request kind %d failed: %r", self.what, opened.kind, exc)
-                self._send(frames[0], opened.kind, opened.seq, index,
-                           {"error": f"{type(exc).__name__}: {exc}"}, [])
+            if opened is not None:
+                self._answer(frames[0], opened)
+
+    def _answer(self, identity: Any, opened: Opened) -> None:
+        """Every reply to one request (a method of its own: nothing it sent
+        stays referenced by the serving loop, so a :class:`SendRing`'s buffer
+        comes round again as soon as ZeroMQ has sent it)."""
+        index = 0
+        try:
+            answer = self._handler(opened.kind, json.loads(bytes(opened.parts[0])))
+            replies = iter([answer]) if isinstance(answer, tuple) else answer
+            for reply, data in replies:
+                self._send(identity, opened.kind, opened.seq, index, reply, data)
+                index += 1
+                # let go of the frames sent before the handler makes the next reply: it
+                # may wait for ZeroMQ to let go of them too (a SendRing of one slot)
+                del reply, data
+        except Exception as exc:  # the client gets the reason, the server goes on
+            logger.warning("%s: request kind %d failed: %r", self.what, opened.kind, exc)
+            self._send(identity, opened.kind, opened.seq, index,
+                       {"error": f"{type(exc).__name__}: {exc}"}, [])
 
     def _send(self, identity: Any, kind: int, seq: int, index: int, reply: dict[str, Any],
               data: list[Any]) -> None:
