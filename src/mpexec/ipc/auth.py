@@ -37,9 +37,10 @@ directly.  The header's ``BLAKE3`` flag (under the HMAC, so it cannot be
 flipped) says which body hash the sender used.  BLAKE3 comes from the
 ``blake3`` package (the ``multinode`` extra); a process without it seals
 with SHA-256, which every end still opens, and drops the BLAKE3 frames it
-cannot check with the reason ``"no blake3"``, logged once with the fix: a
-cluster works as soon as every host has it, and runs slowly, never
-unauthenticated, until then.
+cannot check with the reason ``"blake3 not installed here"`` (the
+fallback itself is logged once, with the fix): a cluster that mixes hosts
+with and without it fails loudly, never accepting an unchecked byte, until
+every host has it.
 
 :meth:`FrameAuth.open` checks the structure (frame count, header size,
 declared lengths, the size limit) and then the MAC with
