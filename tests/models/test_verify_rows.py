@@ -63,15 +63,16 @@ def decode(stage: Any, cache: Any, prompt: list[int], blocks: list[int]
     return tokens, rows
 
 
-def test_verified_rows_equal_one_token_decode_steps(packed_gguf: Path) -> None:
+@pytest.mark.parametrize("prompt_len", [PROMPT_LEN, 506])  # 506: rows on both sides of 512
+def test_verified_rows_equal_one_token_decode_steps(packed_gguf: Path, prompt_len: int) -> None:
     stage = build(packed_gguf, "auto")
     assert stage.packed.startswith("int4"), stage.packed
     cache = new_cache(stage, blocks=160)
     blocks = list(range(160))
-    prompt = random.Random(5).choices(range(VOCAB), k=PROMPT_LEN)
+    prompt = random.Random(5).choices(range(VOCAB), k=prompt_len)
     tokens, rows = decode(stage, cache, prompt, blocks)
     for first in range(STEPS - DRAFTS):
-        start = PROMPT_LEN + first  # the decode token, then DRAFTS tokens as drafts
+        start = prompt_len + first  # the decode token, then DRAFTS tokens as drafts
         verified = step(stage, cache, [(tokens[start:start + DRAFTS + 1], blocks, start)],
                         verify=True)
         for offset in range(DRAFTS + 1):

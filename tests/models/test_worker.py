@@ -159,7 +159,8 @@ def test_pipeline_runs_two_micro_batches_in_flight(tiny_checkpoint: Path, refere
 @pytest.mark.slow
 def test_health_warm_up_and_drafts_on_two_ranks(tiny_checkpoint: Path, leak_check: None) -> None:
     repeating = [5, 6, 7, 8, 5, 6, 7]
-    lookup = {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    lookup = {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+              "draft_by_match": False}
     with make_executor(tiny_checkpoint, tp=2, speculative_config=lookup) as executor:
         executor.check_health()
         executor.execute_dummy_batch()
