@@ -104,27 +104,24 @@ class MoEBlock:
                       ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial output: its experts on the tokens routed to them."""
         out = torch.zeros_like(hidden)
-        local = ids - self.expert_start
-        mine = (local >= 0) & (local < self.num_local)
-        if not bool(mine.any()):
-            return out
-        token_idx, slot = torch.nonzero(mine, as_tuple=True)
-        experts = local[token_idx, slot]
-        order = torch.argsort(experts, stable=True)
-        token_idx, slot, experts = token_idx[order], slot[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_local).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = token_idx[start:start + count]
-            x = hidden[rows]
-            gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
-            y = y * weights[rows, slot[start:start + count], None]
-            out.index_add_(0, rows, y)
-            start += count
-        return out
+        flat = ids.reshape(-1)  # (token, slot) pairs, token-major
+        if self.num_local == self.router.shape[0]:  # every expert is here
+            local, pairs = flat, None
+        else:
+            local = flat - self.expert_start
+            pairs = torch.nonzero((local >= 0) & (local < self.num_local)).view(-1)
+            if pairs.numel() == 0:
+                return out
+            local = local[pairs]
+        order = torch.argsort(local, stable=True)  # by expert, token order within
+        if pairs is not None:
+            order = pairs[order]
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
+        tokens = order // self.top_k
+        y = self._expert_rows(hidden.index_select(0, tokens), counts)
+        y.mul_(weights.reshape(-1)[order, None])
+        # one scatter; a token's contributions are added in expert order
+        return out.index_add_(0, tokens, y)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dp_group is not None and self.dp_group.world_size > 1:
@@ -192,15 +189,28 @@ class MoEBlock:
 
     def _run_experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Unweighted outputs of local expert ``local[i]`` on row ``x[i]``, in row order."""
-        out = torch.empty_like(x)
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.num_local).tolist()
+        out = torch.empty_like(x)
+        out[order] = self._expert_rows(x.index_select(0, order), counts)
+        return out
+
+    def _expert_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Unweighted expert outputs of rows sorted by local expert, ``counts[e]``
+        rows for expert ``e``: two matmuls per expert hit, into one buffer each,
+        and one activation over every row."""
+        rows = self.gate_up.shape[1] // 2
+        gate_up = x.new_empty((x.shape[0], 2 * rows))
+        spans = []
         start = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = order[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.down[expert])
-            start += count
+            if count:
+                stop = start + count
+                torch.mm(x[start:stop], self.gate_up[expert].t(), out=gate_up[start:stop])
+                spans.append((expert, start, stop))
+                start = stop
+        act = F.silu(gate_up[:, :rows]).mul_(gate_up[:, rows:])
+        out = x.new_empty((x.shape[0], self.down.shape[1]))
+        for expert, start, stop in spans:
+            torch.mm(act[start:stop], self.down[expert].t(), out=out[start:stop])
         return out
