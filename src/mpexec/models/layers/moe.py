@@ -78,6 +78,9 @@ class MoEBlock:
         self.router = router      # [E, H], every expert
         self.gate_up = gate_up    # [local experts, 2 * rows, H]
         self.down = down          # [local experts, H, rows]
+        # each expert's matrices as the matmul takes them (views, no copy)
+        self.gate_up_t = [w.t() for w in gate_up.unbind(0)]
+        self.down_t = [w.t() for w in down.unbind(0)]
         self.expert_start = expert_start
         self.num_local = gate_up.shape[0]
         self.top_k = top_k
@@ -199,18 +202,15 @@ class MoEBlock:
         """Unweighted expert outputs of rows sorted by local expert, ``counts[e]``
         rows for expert ``e``: two matmuls per expert hit, into one buffer each,
         and one activation over every row."""
-        rows = self.gate_up.shape[1] // 2
-        gate_up = x.new_empty((x.shape[0], 2 * rows))
-        spans = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                stop = start + count
-                torch.mm(x[start:stop], self.gate_up[expert].t(), out=gate_up[start:stop])
-                spans.append((expert, start, stop))
-                start = stop
-        act = F.silu(gate_up[:, :rows]).mul_(gate_up[:, rows:])
+        gate_up = x.new_empty((x.shape[0], self.gate_up.shape[1]))
         out = x.new_empty((x.shape[0], self.down.shape[1]))
-        for expert, start, stop in spans:
-            torch.mm(act[start:stop], self.down[expert].t(), out=out[start:stop])
+        hit = [expert for expert, count in enumerate(counts) if count]
+        xs, gate_ups = x.split_with_sizes(counts), gate_up.split_with_sizes(counts)
+        for expert in hit:
+            torch.mm(xs[expert], self.gate_up_t[expert], out=gate_ups[expert])
+        rows = self.gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :rows]).mul_(gate_up[:, rows:])
+        acts, outs = act.split_with_sizes(counts), out.split_with_sizes(counts)
+        for expert in hit:
+            torch.mm(acts[expert], self.down_t[expert], out=outs[expert])
         return out
