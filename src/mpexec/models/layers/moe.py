@@ -4,10 +4,14 @@
 
     router (replicated):  probs = softmax(hidden @ Wr.T)  (float32)
                           weights, ids = top_k(probs)  (renormalised when asked)
-    experts held here:    for each expert e hit by some token:
-                              x = hidden[tokens routed to e]
-                              y = down_e(silu(gate_e(x)) * up_e(x)) * weight
-                              out[tokens] += y
+    experts held here:    the (token, expert) pairs sorted by expert once per layer:
+                              x = hidden[token of each pair]          (one gather)
+                              gu[e's pairs] = x[e's pairs] @ gate_up_e.T
+                                  for each expert e hit (gate and up in one matrix)
+                              a = silu(gu[:, :rows]) * gu[:, rows:]   (every pair at once)
+                              y[e's pairs] = a[e's pairs] @ down_e.T  for each e hit
+                              out[token] += y * weight                (one scatter, a
+                                  token's experts added in expert order)
     shared expert:        out += sigmoid(hidden @ Wsg.T) * down_s(silu(gate_s(x)) * up_s(x))
     one all-reduce over the group sums the partial outputs
 
