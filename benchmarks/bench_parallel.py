@@ -18,9 +18,12 @@ Prints three tables from one run::
    CPU per replica step (this process schedules every replica), each
    worker's CPU, and the "bound": tokens / the busiest worker's CPU
    seconds, the rate the layout would reach with a core per worker and a
-   free driver.  DP's bound falls short of 2x TP=1's because a replica's
-   decode batch is half as large, and one thread's float32 matmuls are
-   less efficient per row at 32 rows than at 64;
+   free driver.  ``--quantization`` picks the weights (``auto``: packed,
+   LLM's default; ``none``: float32).  Packed, the kernel is compute-bound, its
+   cost grows with the rows, so a replica with half the
+   rows costs half and DP's bound nears 2x; float32 matmuls stream the
+   weights once per step, cost more per row at 32 rows than at 64, and
+   DP's bound falls short of 2x (docs/engine.md);
 2. mixture of experts: a Mixtral built here with transformers (8 experts,
    top-2, hidden 512, 4 layers, random float32 weights) - tokens/s of a
    batch of each ``--moe-batch`` size (32-token prompts, ``--moe-tokens``
