@@ -4,10 +4,14 @@
 
     router (replicated):  probs = softmax(hidden @ Wr.T)  (float32)
                           weights, ids = top_k(probs)  (renormalised when asked)
-    experts held here:    for each expert e hit by some token:
-                              x = hidden[tokens routed to e]
-                              y = down_e(silu(gate_e(x)) * up_e(x)) * weight
-                              out[tokens] += y
+    experts held here:    the (token, expert) pairs sorted by expert once per layer:
+                              x = hidden[token of each pair]          (one gather)
+                              gu[e's pairs] = x[e's pairs] @ gate_up_e.T
+                                  for each expert e hit (gate and up in one matrix)
+                              a = silu(gu[:, :rows]) * gu[:, rows:]   (every pair at once)
+                              y[e's pairs] = a[e's pairs] @ down_e.T  for each e hit
+                              out[token] += y * weight                (one scatter, a
+                                  token's experts added in expert order)
     shared expert:        out += sigmoid(hidden @ Wsg.T) * down_s(silu(gate_s(x)) * up_s(x))
     one all-reduce over the group sums the partial outputs
 
@@ -78,6 +82,9 @@ class MoEBlock:
         self.router = router      # [E, H], every expert
         self.gate_up = gate_up    # [local experts, 2 * rows, H]
         self.down = down          # [local experts, H, rows]
+        # each expert's matrices as the matmul takes them (views, no copy)
+        self.gate_up_t = [w.t() for w in gate_up.unbind(0)]
+        self.down_t = [w.t() for w in down.unbind(0)]
         self.expert_start = expert_start
         self.num_local = gate_up.shape[0]
         self.top_k = top_k
@@ -104,27 +111,24 @@ class MoEBlock:
                       ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial output: its experts on the tokens routed to them."""
         out = torch.zeros_like(hidden)
-        local = ids - self.expert_start
-        mine = (local >= 0) & (local < self.num_local)
-        if not bool(mine.any()):
-            return out
-        token_idx, slot = torch.nonzero(mine, as_tuple=True)
-        experts = local[token_idx, slot]
-        order = torch.argsort(experts, stable=True)
-        token_idx, slot, experts = token_idx[order], slot[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_local).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = token_idx[start:start + count]
-            x = hidden[rows]
-            gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
-            y = y * weights[rows, slot[start:start + count], None]
-            out.index_add_(0, rows, y)
-            start += count
-        return out
+        flat = ids.reshape(-1)  # (token, slot) pairs, token-major
+        if self.num_local == self.router.shape[0]:  # every expert is here
+            local, pairs = flat, None
+        else:
+            local = flat - self.expert_start
+            pairs = torch.nonzero((local >= 0) & (local < self.num_local)).view(-1)
+            if pairs.numel() == 0:
+                return out
+            local = local[pairs]
+        order = torch.argsort(local, stable=True)  # by expert, token order within
+        if pairs is not None:
+            order = pairs[order]
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
+        tokens = order // self.top_k
+        y = self._expert_rows(hidden.index_select(0, tokens), counts)
+        y.mul_(weights.reshape(-1)[order, None])
+        # one scatter; a token's contributions are added in expert order
+        return out.index_add_(0, tokens, y)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dp_group is not None and self.dp_group.world_size > 1:
@@ -192,15 +196,25 @@ class MoEBlock:
 
     def _run_experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Unweighted outputs of local expert ``local[i]`` on row ``x[i]``, in row order."""
-        out = torch.empty_like(x)
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.num_local).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = order[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.down[expert])
-            start += count
+        out = torch.empty_like(x)
+        out[order] = self._expert_rows(x.index_select(0, order), counts)
+        return out
+
+    def _expert_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Unweighted expert outputs of rows sorted by local expert, ``counts[e]``
+        rows for expert ``e``: two matmuls per expert hit, into one buffer each,
+        and one activation over every row."""
+        gate_up = x.new_empty((x.shape[0], self.gate_up.shape[1]))
+        out = x.new_empty((x.shape[0], self.down.shape[1]))
+        hit = [expert for expert, count in enumerate(counts) if count]
+        xs, gate_ups = x.split_with_sizes(counts), gate_up.split_with_sizes(counts)
+        for expert in hit:
+            torch.mm(xs[expert], self.gate_up_t[expert], out=gate_ups[expert])
+        rows = self.gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :rows]).mul_(gate_up[:, rows:])
+        acts, outs = act.split_with_sizes(counts), out.split_with_sizes(counts)
+        for expert in hit:
+            torch.mm(acts[expert], self.down_t[expert], out=outs[expert])
         return out
