@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from mpexec.config import ExecutorConfig, distributed_backend_for
-from mpexec.engine import llm as llm_module
-from mpexec.engine import startup
+from mpexec.engine import llm as llm_module, startup
 from mpexec.executor import Executor
 
 pytestmark = pytest.mark.usefixtures("leak_check")
