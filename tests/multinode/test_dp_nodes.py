@@ -110,7 +110,7 @@ def where(worker: Any) -> dict[str, Any]:
 
         dp = distributed.get_dp_group()
         out["dp"] = (dp.rank_in_group, dp.world_size, list(dp.ranks))
-    except Exception:  # a replica of one rank has no groups
+    except Exception:  # a replica of one rank in a world of its own has no groups
         out["dp"] = None
     return out
 
@@ -136,6 +136,10 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
                 one_replica_tokens
             replicas = llm.engine.replicas
             at = [e.executor.collective_rpc(where, timeout=30) for e in replicas]
+            # the replicas share one world: a collective over the DP group crosses the nodes
+            from tests.models.test_dp_world import dp_world, on_every_replica
+
+            sums = [a["sum"] for [a] in on_every_replica(llm, dp_world)]
             # replica 1's executor here holds only the follower node's handle
             assert [h.pid for h in replicas[1].executor.workers] == [None]
             assert all(e.stats.steps > 0 for e in replicas)  # both served
@@ -144,6 +148,7 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
         reap(follower)
     assert [a["node"] for [a] in at] == ["node-id/leader", "node-id/follower-1"]
     assert [a["title"] for [a] in at] == ["mpexec::Worker_DP0", "mpexec::Worker_DP1"]
+    assert [a["dp"] for [a] in at] == [(0, 2, [0, 1]), (1, 2, [0, 1])] and sums == [3.0, 3.0]
     assert at[1][0]["pid"] != follower.pid
 
 
@@ -244,6 +249,8 @@ def test_each_replica_spans_two_nodes(tiny_checkpoint: Path,
     assert [[a["title"] for a in replica] for replica in at] == [
         ["mpexec::Worker_DP0_TP0", "mpexec::Worker_DP0_TP1"],
         ["mpexec::Worker_DP1_TP0", "mpexec::Worker_DP1_TP1"]]
+    assert [[a["dp"] for a in replica] for replica in at] == [
+        [(0, 2, [0, 2]), (0, 2, [1, 3])], [(1, 2, [0, 2]), (1, 2, [1, 3])]]
 
 
 @pytest.mark.torch
@@ -269,6 +276,7 @@ def test_two_replicas_per_node(tiny_checkpoint: Path, one_replica_tokens: list[l
             reap(proc)
     assert [a["node"] for [a] in at] == ["node-id/leader"] * 2 + ["node-id/follower-1"] * 2
     assert [a["title"] for [a] in at] == [f"mpexec::Worker_DP{d}" for d in range(4)]
+    assert [a["dp"] for [a] in at] == [(d, 4, [0, 1, 2, 3]) for d in range(4)]
 
 
 @pytest.fixture(scope="module")

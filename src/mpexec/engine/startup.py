@@ -9,8 +9,10 @@
       │   settings; the model's path, context length and experts), then one
       │   ExecutorConfig per data parallel replica
       │ one executor per replica (the workers start first: the driver has no
-      │   threads yet, so they can be forked); experts across replicas: every
-      │   replica's workers join one world (join_data_parallel)
+      │   threads yet, so they can be forked); then every replica's workers
+      │   join one world (join_data_parallel), so the DP group spans them:
+      │   always with experts across the replicas (which then step in
+      │   lockstep), for dense replicas unless replica_restart (_shares_world)
       │ open_checkpoint(path): config (EOS ids, context length) and tokenizer,
       │   in the driver
       ▼
@@ -137,7 +139,8 @@ class _Plan:
     """What the checks settled, before any process starts."""
 
     replica_configs: list[ExecutorConfig]  # one per data parallel replica
-    lockstep: bool  # experts across replicas: one world, replicas step together
+    join: bool  # the replicas' workers join one world (the DP group spans them)
+    lockstep: bool  # experts across replicas: the replicas step together
     path: Any  # the checkpoint (the model worker only)
     connector: dict[str, Any] | None  # the completed kv_transfer_config
     speculative: SpeculativeConfig | None
@@ -152,7 +155,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     try:
         for config in plan.replica_configs:
             executors.append(Executor.get_class(config)(config))
-        if plan.lockstep:
+        if plan.join:
             _join_replicas(executors, args.master_addr)
         tokenizer, eos, limits = _front(args, plan)
         engines = [Engine(executor, limits, eos, tokenizer=tokenizer,
@@ -162,7 +165,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
             engine = engines[0]
         else:
             def rebuild(ranks: list[int]) -> list[Engine]:
-                # with experts across replicas: every replica, joined again
+                # with experts across replicas: every replica, joined again (with
+                # replica_restart, dense replicas keep a world each: _shares_world)
                 started: list[Executor] = []
                 try:
                     for rank in ranks:
@@ -205,6 +209,7 @@ def _plan(args: EngineArgs) -> _Plan:
         raise ValueError("enable_expert_parallel with data_parallel_size > 1 steps the "
                          "replicas in lockstep: it needs pipeline_parallel_size=1 and "
                          "async_scheduling=False")
+    shared = _shares_world(args)
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -213,7 +218,8 @@ def _plan(args: EngineArgs) -> _Plan:
         data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel,
         nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
-        backend=distributed_backend_for(device_type, args.distributed_backend))
+        backend=distributed_backend_for(device_type, args.distributed_backend),
+        shared_dp_world=shared)
     # One parallel config per data parallel replica: a replica none of whose
     # nodes is this one (node 0) is driven from here with no local worker.
     replica_parallel = [_replica_parallel(parallel, rank) for rank in range(dp)]
@@ -285,8 +291,8 @@ def _plan(args: EngineArgs) -> _Plan:
         scheduler=SchedulerConfig(async_scheduling=args.async_scheduling),
         executor_backend=args.executor_backend, device_type=device_type, **executor_fields)
     return _Plan(replica_configs=[_replica_config(config, p) for p in replica_parallel],
-                 lockstep=ep_across, path=path, connector=connector,
-                 speculative=speculative, vocab_size=vocab_size)
+                 join=parallel.joins_replica_world, lockstep=ep_across, path=path,
+                 connector=connector, speculative=speculative, vocab_size=vocab_size)
 
 
 def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...],
@@ -319,6 +325,34 @@ def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...
                              num_speculative_tokens=speculative.num_speculative_tokens
                              if speculative else 0)
     return tokenizer, eos, limits
+
+
+def _shares_world(args: EngineArgs) -> bool:
+    """Whether the replicas' workers join one world, so that ``get_dp_group()``
+    in a worker spans the replicas.
+
+    Experts split across the replicas need it.  Dense replicas of the model
+    worker get it too, except with ``replica_restart``: torch.distributed
+    cannot add a rank to a running world, so a replica rebuilt alone could
+    not rejoin its peers' world, and rebuilding every replica instead would
+    stop the survivors that are meant to take the failed one's requests.
+    There each dense replica keeps a world of its own (a DP group of one).
+    Other worker classes build no groups across the replicas.
+    """
+    dp = args.data_parallel_size
+    if dp == 1:
+        return False
+    if args.enable_expert_parallel:
+        return True
+    if not args.is_model_worker:
+        return False
+    if args.replica_restart:
+        logger.info("replica_restart: the %d dense data parallel replicas keep a "
+                    "torch.distributed world each (get_dp_group() in a worker is a group "
+                    "of one), so that a failed replica can be rebuilt alone while the "
+                    "others serve", dp)
+        return False
+    return True
 
 
 def _check_arguments(**values: Any) -> None:
@@ -371,7 +405,7 @@ def _replica_config(config: ExecutorConfig, parallel: ParallelConfig) -> Executo
 
 
 def _join_replicas(executors: list[Executor], host: str) -> None:
-    """Experts split across replicas: every replica's workers join one world."""
+    """Every replica's workers join one world (``mpexec.models.dp_world``)."""
     from mpexec.executor.spec import PortReservation
 
     port = PortReservation(host, 0)
