@@ -18,7 +18,8 @@
       ▼
     Engine(executor, limits, eos) per replica -> KV cache sized; one replica
     without replica_restart: that Engine, else a DataParallelEngine over them
-    (with a factory that rebuilds replicas from the same configs)
+    (with a factory that rebuilds replicas from the same configs, whose
+    start-ups the front end's shutdown() cancels)
 
 Whatever fails on the way, every executor started so far is shut down
 before the error reaches the caller.
@@ -38,6 +39,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -164,14 +166,18 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         if args.data_parallel_size == 1 and not args.replica_restart:
             engine = engines[0]
         else:
-            def rebuild(ranks: list[int]) -> list[Engine]:
+            def rebuild(ranks: list[int], cancel: threading.Event) -> list[Engine]:
                 # with experts across replicas: every replica, joined again (with
                 # replica_restart, dense replicas keep a world each: _shares_world)
                 started: list[Executor] = []
                 try:
                     for rank in ranks:
                         config = plan.replica_configs[rank]
-                        started.append(Executor.get_class(config)(config))
+                        # shutdown() does not wait for a start that waits for a node
+                        # (cancel goes to start(), through Executor's metaclass)
+                        executor = Executor.get_class(config)(
+                            config, cancel=cancel)  # type: ignore[call-arg]
+                        started.append(executor)
                     if plan.lockstep:
                         _join_replicas(started, args.master_addr)
                     return [Engine(executor, limits, eos, tokenizer=tokenizer,
