@@ -109,3 +109,17 @@ def test_as_many_cpu_workers_as_cpus_share_them_without_a_warning(
         config = recorded_config(tensor_parallel_size=2)
     assert config.omp_num_threads == 4
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_more_cuda_workers_than_devices_is_one_clear_error(
+        monkeypatch: pytest.MonkeyPatch, recorded_config: Any) -> None:
+    """DP x TP x PP larger than the node's GPUs: refused before any worker starts."""
+    import torch
+
+    fake_cuda(monkeypatch, True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"data_parallel_size x tensor_parallel_size x "
+                                         r"pipeline_parallel_size = 4 workers on this node, "
+                                         r"but it has 2 CUDA devices"):
+        recorded_config(data_parallel_size=2, tensor_parallel_size=2)
+    assert recorded_config(data_parallel_size=2).device_type == "cuda"  # 2 fit
