@@ -77,19 +77,23 @@ def test_dense_replicas_share_one_world_and_step_on_their_own(
     assert [a["title"] for [a] in at] == ["mpexec::Worker_DP0", "mpexec::Worker_DP1"]
 
 
+@pytest.mark.parametrize("layout", ["tp", "pcp"])
 def test_dp_groups_link_the_same_place_of_each_replica(
-        tiny_checkpoint: Path, one_replica_tokens: list[list[int]]) -> None:
-    """DP=2 x TP=2: global ranks 0-1 and 2-3; the DP groups are {0, 2} and {1, 3}."""
-    with make_llm(tiny_checkpoint, data_parallel_size=2, tensor_parallel_size=2) as llm:
+        tiny_checkpoint: Path, one_replica_tokens: list[list[int]], layout: str) -> None:
+    """DP=2 x TP=2 (or x prefill context parallel 2): global ranks 0-1 and
+    2-3; the DP groups are {0, 2} and {1, 3}."""
+    size = {"tensor_parallel_size" if layout == "tp" else "prefill_context_parallel_size": 2}
+    with make_llm(tiny_checkpoint, data_parallel_size=2, **size) as llm:
         at = on_every_replica(llm, dp_world)
         tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert tokens == one_replica_tokens
     assert [[a["dp"] for a in replica] for replica in at] == [
         [(0, 2, [0, 2]), (0, 2, [1, 3])], [(1, 2, [0, 2]), (1, 2, [1, 3])]]
     assert {a["sum"] for replica in at for a in replica} == {3.0}
+    place = layout.upper()
     assert [[a["title"] for a in replica] for replica in at] == [
-        ["mpexec::Worker_DP0_TP0", "mpexec::Worker_DP0_TP1"],
-        ["mpexec::Worker_DP1_TP0", "mpexec::Worker_DP1_TP1"]]
+        [f"mpexec::Worker_DP0_{place}0", f"mpexec::Worker_DP0_{place}1"],
+        [f"mpexec::Worker_DP1_{place}0", f"mpexec::Worker_DP1_{place}1"]]
 
 
 def _dp_group_or_none(wrapper: Any) -> Any:
