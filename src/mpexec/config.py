@@ -134,6 +134,12 @@ class ParallelConfig:
     # ranks are on node 0: its executor starts no worker here and admits every
     # node of the replica as a follower.
     remote_replica: bool = False
+    # Set by the data parallel front end: the workers of every replica join one
+    # torch.distributed world of DP x (TP x PP x PCP) ranks when the driver
+    # calls ``join_data_parallel`` (the model worker's), so the DP group spans
+    # the replicas.  Experts split across replicas always join (whatever this
+    # says); dense replicas join unless a failed one is to be rebuilt alone.
+    shared_dp_world: bool = False
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -149,6 +155,7 @@ class ParallelConfig:
         _require_int("node_rank", self.node_rank, 0)
         _require_bool("enable_expert_parallel", self.enable_expert_parallel)
         _require_bool("remote_replica", self.remote_replica)
+        _require_bool("shared_dp_world", self.shared_dp_world)
         _require_str("master_addr", self.master_addr)
         _require_int("master_port", self.master_port, 0, 65535)
         _require_str("backend", self.backend)
@@ -212,6 +219,13 @@ class ParallelConfig:
                 "pipeline_parallel_size x prefill_context_parallel_size must be divisible "
                 f"by nnodes_within_dp ({self.nnodes_within_dp})"
             )
+
+    @property
+    def joins_replica_world(self) -> bool:
+        """Whether the workers wait for ``join_data_parallel`` to build their
+        groups, in one world with every other replica's (see ``shared_dp_world``)."""
+        return self.data_parallel_size > 1 and (self.enable_expert_parallel
+                                                or self.shared_dp_world)
 
     @property
     def world_size(self) -> int:

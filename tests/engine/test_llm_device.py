@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from mpexec.config import ExecutorConfig, distributed_backend_for
-from mpexec.engine import llm as llm_module
+from mpexec.engine import llm as llm_module, startup
 from mpexec.executor import Executor
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -32,9 +32,9 @@ def _record(config: ExecutorConfig) -> Any:
 def recorded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
     """LLM(...) -> the ExecutorConfig it would have started workers with."""
     monkeypatch.setattr(Executor, "get_class", staticmethod(_record))
-    monkeypatch.setattr(llm_module, "_resolve", lambda model: str(model))
+    monkeypatch.setattr(startup, "_resolve", lambda model: str(model))
     # no checkpoint behind the path: the context-length check reads none
-    monkeypatch.setattr(llm_module, "_check_model_len", lambda path, max_model_len: 101)
+    monkeypatch.setattr(startup, "_check_model_len", lambda path, max_model_len: 101)
 
     def build(**kwargs: Any) -> ExecutorConfig:
         with pytest.raises(_Recorded) as info:
@@ -90,8 +90,8 @@ def test_more_cpu_workers_than_cpus_warn_and_get_one_thread_each(
         monkeypatch: pytest.MonkeyPatch, recorded_config: Any,
         caplog: pytest.LogCaptureFixture) -> None:
     fake_cuda(monkeypatch, False)
-    monkeypatch.setattr(llm_module, "usable_cpus", lambda: 2)
-    with caplog.at_level("WARNING", logger="mpexec.engine.llm"):
+    monkeypatch.setattr(startup, "usable_cpus", lambda: 2)
+    with caplog.at_level("WARNING", logger="mpexec.engine.startup"):
         config = recorded_config(tensor_parallel_size=3)
     assert config.parallel.world_size == 3
     assert config.omp_num_threads == 1
@@ -104,8 +104,22 @@ def test_as_many_cpu_workers_as_cpus_share_them_without_a_warning(
         monkeypatch: pytest.MonkeyPatch, recorded_config: Any,
         caplog: pytest.LogCaptureFixture) -> None:
     fake_cuda(monkeypatch, False)
-    monkeypatch.setattr(llm_module, "usable_cpus", lambda: 8)
-    with caplog.at_level("WARNING", logger="mpexec.engine.llm"):
+    monkeypatch.setattr(startup, "usable_cpus", lambda: 8)
+    with caplog.at_level("WARNING", logger="mpexec.engine.startup"):
         config = recorded_config(tensor_parallel_size=2)
     assert config.omp_num_threads == 4
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_more_cuda_workers_than_devices_is_one_clear_error(
+        monkeypatch: pytest.MonkeyPatch, recorded_config: Any) -> None:
+    """DP x TP x PP larger than the node's GPUs: refused before any worker starts."""
+    import torch
+
+    fake_cuda(monkeypatch, True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"data_parallel_size x tensor_parallel_size x "
+                                         r"pipeline_parallel_size = 4 workers on this node, "
+                                         r"but it has 2 CUDA devices"):
+        recorded_config(data_parallel_size=2, tensor_parallel_size=2)
+    assert recorded_config(data_parallel_size=2).device_type == "cuda"  # 2 fit

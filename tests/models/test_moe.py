@@ -329,6 +329,17 @@ def test_more_expert_ranks_than_experts_is_refused() -> None:
         expert_share(config.moe, 0, 3, True)
 
 
+def test_more_expert_ranks_than_the_models_experts_is_refused_up_front(
+        moe_with_tokenizer: Path, leak_check: None) -> None:
+    """EP size = DP x TP = 6 ranks for 5 experts: one ValueError, no worker started."""
+    from mpexec.engine.llm import LLM
+
+    with pytest.raises(ValueError, match=r"the model has 5 experts, fewer than the expert "
+                                         r"parallel size 6 \(DP x TP ranks\)"):
+        LLM(str(moe_with_tokenizer), data_parallel_size=2, tensor_parallel_size=3,
+            enable_expert_parallel=True)
+
+
 def _log_prefix(wrapper: Any) -> str:
     """The prefix this worker puts on every line it prints or logs."""
     import sys

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,9 @@ def make_llm(path: Path, **fields: Any) -> Any:
     from mpexec import LLM
 
     fields.setdefault("kv_cache_memory_bytes", 16 << 20)
+    fields.setdefault("startup_timeout_s", 60.0)
     return LLM(str(path), executor_backend="mp", num_threads=1, max_num_batched_tokens=64,
-               block_size=4, shutdown_grace_s=2.0, shutdown_term_s=2.0,
-               startup_timeout_s=60.0, **fields)
+               block_size=4, shutdown_grace_s=2.0, shutdown_term_s=2.0, **fields)
 
 
 def where(worker: Any) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def where(worker: Any) -> dict[str, Any]:
 
         dp = distributed.get_dp_group()
         out["dp"] = (dp.rank_in_group, dp.world_size, list(dp.ranks))
-    except Exception:  # a replica of one rank has no groups
+    except Exception:  # a replica of one rank in a world of its own has no groups
         out["dp"] = None
     return out
 
@@ -136,6 +137,10 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
                 one_replica_tokens
             replicas = llm.engine.replicas
             at = [e.executor.collective_rpc(where, timeout=30) for e in replicas]
+            # the replicas share one world: a collective over the DP group crosses the nodes
+            from tests.models.test_dp_world import dp_world, on_every_replica
+
+            sums = [a["sum"] for [a] in on_every_replica(llm, dp_world)]
             # replica 1's executor here holds only the follower node's handle
             assert [h.pid for h in replicas[1].executor.workers] == [None]
             assert all(e.stats.steps > 0 for e in replicas)  # both served
@@ -144,6 +149,7 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
         reap(follower)
     assert [a["node"] for [a] in at] == ["node-id/leader", "node-id/follower-1"]
     assert [a["title"] for [a] in at] == ["mpexec::Worker_DP0", "mpexec::Worker_DP1"]
+    assert [a["dp"] for [a] in at] == [(0, 2, [0, 1]), (1, 2, [0, 1])] and sums == [3.0, 3.0]
     assert at[1][0]["pid"] != follower.pid
 
 
@@ -206,9 +212,48 @@ def test_follower_killed_with_replica_restart_loses_no_request_and_rejoins(
             reap(proc)
 
 
-def assert_rejoins(llm: Any, timeout_s: float = 90.0) -> None:
-    import time
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_shutdown_while_a_rebuild_waits_for_the_lost_node_returns_at_once(
+        tiny_checkpoint: Path, leader_node_id: None) -> None:
+    """replica_restart: replica 1's node is lost and its rebuild waits for a
+    node to join (``startup_timeout_s`` 600 s).  ``shutdown()`` cancels that
+    wait (the rebuild's executor gets the engine's closing event as its
+    start-up cancel): the pytest timeout bounds the test, and leak_check and
+    the free port show the waiting executor is gone with it."""
+    from tests.multinode.test_two_nodes import assert_port_free
 
+    port = free_port()
+    follower = start_node(port + 1, 1, 2, "follower-1")
+    try:
+        llm = make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
+                       cluster_secret=SECRET, replica_restart=True, startup_timeout_s=600.0,
+                       execute_model_timeout_s=60.0)
+        try:
+            hit: list[int] = []
+
+            def progress(finished: int, total: int, tokens: int) -> None:
+                if not hit and tokens >= 6:
+                    kill_tree(follower.pid)
+                    hit.append(follower.pid)
+
+            outputs = llm.generate(PROMPTS, greedy(24), progress=progress)
+            assert hit and all(len(o.token_ids) == 24 for o in outputs)
+            failover = llm.engine.failover
+            while not any(phase == "rebuilding" for *_, phase in failover.timeline):
+                time.sleep(0.05)  # bounded by the test's timeout
+        finally:
+            llm.shutdown()
+        assert failover.restarts == 0
+        assert any("start-up was cancelled" in event for event in failover.events), \
+            failover.events
+    finally:
+        reap(follower)
+    assert_port_free(port + 1)
+
+
+def assert_rejoins(llm: Any, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while llm.engine.failover.restarts < 1:
         assert time.monotonic() < deadline, llm.engine.failover.events
@@ -244,6 +289,8 @@ def test_each_replica_spans_two_nodes(tiny_checkpoint: Path,
     assert [[a["title"] for a in replica] for replica in at] == [
         ["mpexec::Worker_DP0_TP0", "mpexec::Worker_DP0_TP1"],
         ["mpexec::Worker_DP1_TP0", "mpexec::Worker_DP1_TP1"]]
+    assert [[a["dp"] for a in replica] for replica in at] == [
+        [(0, 2, [0, 2]), (0, 2, [1, 3])], [(1, 2, [0, 2]), (1, 2, [1, 3])]]
 
 
 @pytest.mark.torch
@@ -269,6 +316,7 @@ def test_two_replicas_per_node(tiny_checkpoint: Path, one_replica_tokens: list[l
             reap(proc)
     assert [a["node"] for [a] in at] == ["node-id/leader"] * 2 + ["node-id/follower-1"] * 2
     assert [a["title"] for [a] in at] == [f"mpexec::Worker_DP{d}" for d in range(4)]
+    assert [a["dp"] for [a] in at] == [(d, 4, [0, 1, 2, 3]) for d in range(4)]
 
 
 @pytest.fixture(scope="module")

@@ -245,8 +245,9 @@ def test_a_follower_stopped_during_the_queue_handshake_fails_the_start(
     follower, port = follower_port
     collect = NodeServer.collect
 
-    def collect_then_stop(self: NodeServer, deadline: float, timeout_s: float) -> Any:
-        handles = collect(self, deadline, timeout_s)
+    def collect_then_stop(self: NodeServer, deadline: float, timeout_s: float,
+                          **options: Any) -> Any:
+        handles = collect(self, deadline, timeout_s, **options)
         signal_tree(follower.pid, signal.SIGSTOP)  # READY came; the handshake has not
         return handles
 

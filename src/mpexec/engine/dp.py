@@ -35,7 +35,10 @@ failover the first failure is the caller's error, as with one engine (with
 lockstep the failure of the rank that died or hung, not its peers' broken
 collectives).  A replica may live on other nodes (its executor here has no
 local worker); what rebuilding it means is the factory's: for ``LLM``, a
-new executor that waits for the lost node to join again.
+new executor that waits for the lost node to join again.  ``shutdown()``
+does not wait that out: the factory gets the engine's closing event as the
+executors' start-up cancel (``Executor.start``), so a rebuild still waiting
+gives up and cleans up at once.
 
 Lockstep (``lockstep=True``, experts split across the replicas): every MoE
 layer's collectives span all replicas, so each step runs one forward on
@@ -85,10 +88,12 @@ class DataParallelEngine:
     """``len(replicas)`` engines behind the API of one (see the module docstring)."""
 
     def __init__(self, replicas: list[Engine], *, restart: bool = False,
-                 factory: Callable[[list[int]], list[Engine]] | None = None,
+                 factory: Callable[[list[int], threading.Event], list[Engine]] | None = None,
                  max_restarts: int = 3, backoff_s: float = 1.0, lockstep: bool = False) -> None:
-        """``factory(ranks)`` rebuilds the replicas of those DP ranks (with
-        lockstep: all of them, joined into one world again)."""
+        """``factory(ranks, cancel)`` rebuilds the replicas of those DP ranks
+        (with lockstep: all of them, joined into one world again); once
+        ``cancel`` is set (this engine shuts down) it should give up, cleaned
+        up, as soon as it can."""
         if not replicas:
             raise ValueError("a data parallel engine needs at least one replica")
         if restart and factory is None:
@@ -243,9 +248,9 @@ class DataParallelEngine:
         return changed
 
     def shutdown(self) -> None:
-        self._closed.set()
+        self._closed.set()  # a rebuild still starting gives up (the factory's cancel)
         for thread in list(self._rebuilding.values()):
-            thread.join(timeout=60)
+            thread.join(timeout=_TEARDOWN_WAIT_S)
         self._pool.shutdown(wait=True)
         for _, engine in self._live():
             engine.shutdown()
@@ -360,13 +365,17 @@ class DataParallelEngine:
             return
         # What the old replica held (its processes, its node channel's port)
         # is released before the new one asks for it again.
+        until = time.monotonic() + _TEARDOWN_WAIT_S
         for rank in unit:
             teardown = self._teardowns.get(rank)
-            if teardown is not None:
-                teardown.join(_TEARDOWN_WAIT_S)
+            while (teardown is not None and teardown.is_alive() and not self._closed.is_set()
+                   and time.monotonic() < until):
+                teardown.join(0.05)
+        if self._closed.is_set():
+            return
         self.failover.timeline.append((time.monotonic(), unit, "rebuilding"))
         try:
-            engines = self.factory(list(unit))
+            engines = self.factory(list(unit), self._closed)
         except BaseException as exc:
             self._note(f"{name}: restart failed ({type(exc).__name__}: {exc})")
             self._rebuilding.pop(unit, None)

@@ -3,10 +3,9 @@
 ::
 
     LLM(model="default" | path, tensor_parallel_size, pipeline_parallel_size, ...)
-      │ resolve_model(model) -> checkpoint path (the default model is fetched once)
-      │ Executor(ExecutorConfig(worker_cls=ModelWorker, ...)) -> workers load their shards
-      │ open_checkpoint(path): config (EOS ids, context length) and tokenizer, in the driver
-      │ Engine(executor, ...) -> KV cache sized
+      │ build_engine(EngineArgs(...)) (startup.py): every argument checked, the
+      │   workers started, the tokenizer opened, the Engine (or with data
+      │   parallel replicas the DataParallelEngine) built over them
       ▼
     generate / generate_stream / chat
       │ every prompt and SamplingParams checked first (validation.py): a bad one is
@@ -29,33 +28,20 @@ the leader (node 0; the cluster secret from ``cluster_secret=`` or
 ``MPEXEC_CLUSTER_SECRET``) waits for ``mpexec node`` on every other node;
 those run the remaining ranks and open the checkpoint at the same path (or
 fetch "default" themselves).  Everything else - tokenizer, scheduler, KV
-cache sizing - runs on the leader as on one node.  With
-``data_parallel_size=N`` as well, every replica's engine runs here: one
-executor per replica, over the nodes of that replica (``nnodes / N`` of
-them, or one node shared by ``N / nnodes`` replicas); a replica with no
-rank on node 0 is driven from here by an executor with no local worker
-(``ParallelConfig.remote_replica``), and its nodes dial ``master_port + its
-DP rank``.
+cache sizing - runs on the leader as on one node; how data parallel
+replicas are spread over the nodes is startup.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
-from mpexec.config import (
-    ExecutorConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    distributed_backend_for,
-)
 from mpexec.engine.dp import DataParallelEngine
 from mpexec.engine.engine import Engine
 from mpexec.engine.outputs import (
@@ -66,35 +52,31 @@ from mpexec.engine.outputs import (
     RequestOutput,
 )
 from mpexec.engine.request import Request, child_params
-from mpexec.engine.scheduler import SchedulerLimits
+from mpexec.engine.startup import (
+    MODEL_WORKER,
+    EngineArgs,
+    Message,
+    TokenizerLike,
+    build_engine,
+    cuda_available,
+)
 from mpexec.engine.stream_text import StreamText
-from mpexec.engine.validation import check_int, check_params, prepare_prompt
-from mpexec.executor import Executor
-from mpexec.models.ngram import SpeculativeConfig
+from mpexec.engine.validation import check_params, prepare_prompt
 from mpexec.outputs import LogprobsRow, SamplingParams
-from mpexec.system.procs import usable_cpus
 
-MODEL_WORKER = "mpexec.models.worker:ModelWorker"
-logger = logging.getLogger(__name__)
+__all__ = [
+    "LLM",
+    "MODEL_WORKER",
+    "ProgressCallback",
+    "PromptType",
+    "TokenizerLike",
+    "cuda_available",
+]
 
-Message = dict[str, str]
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]} (optionally
 # with "prompt": text).
 PromptType = str | dict[str, Any]
 ProgressCallback = Callable[[int, int, int], None]
-
-
-class TokenizerLike(Protocol):
-    """What the LLM needs of a tokenizer (``mpexec.models.tokenizer.Tokenizer`` has it)."""
-
-    eos_token_ids: Sequence[int]
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-    def apply_chat_template(self, messages: list[Message],
-                            add_generation_prompt: bool = True) -> list[int]: ...
 
 
 class LLM:
@@ -138,162 +120,26 @@ class LLM:
         **executor_fields: Any,
     ) -> None:
         self._engine: Engine | DataParallelEngine | None = None
-        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
-        _check_arguments(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
-        device_type = _device_type(device) if worker_cls == MODEL_WORKER else "cpu"
-        dp = data_parallel_size
-        if nnodes > 1 and not master_port:
-            raise ValueError("nnodes > 1 needs master_port: the port follower nodes dial "
-                             "(each data parallel replica's nodes: master_port + its rank)")
-        if dp > 1 and kv_transfer_config is not None:
-            raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported")
-        ep_across = enable_expert_parallel and dp > 1
-        if ep_across and (pipeline_parallel_size > 1 or async_scheduling):
-            raise ValueError("enable_expert_parallel with data_parallel_size > 1 steps the "
-                             "replicas in lockstep: it needs pipeline_parallel_size=1 and "
-                             "async_scheduling=False")
-        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                  pipeline_parallel_size=pipeline_parallel_size,
-                                  decode_context_parallel_size=decode_context_parallel_size,
-                                  prefill_context_parallel_size=prefill_context_parallel_size,
-                                  data_parallel_size=dp,
-                                  enable_expert_parallel=enable_expert_parallel,
-                                  nnodes=nnodes, node_rank=node_rank,
-                                  master_addr=master_addr, master_port=master_port,
-                                  backend=distributed_backend_for(device_type,
-                                                                  distributed_backend))
-        # One parallel config per data parallel replica: a replica none of whose
-        # nodes is this one (node 0) is driven from here with no local worker.
-        replica_parallel = [_replica_parallel(parallel, rank) for rank in range(dp)]
-        if any(p.remote_replica for p in replica_parallel) and executor_backend != "mp":
-            raise ValueError("data parallel replicas on other nodes need executor_backend "
-                             f"'mp' (its follower nodes); got {executor_backend!r}")
-        world = sum(p.local_world_size for p in replica_parallel)  # the workers of this node
-        cpus = usable_cpus()
-        if device_type == "cpu" and worker_cls == MODEL_WORKER and world > cpus:
-            # Any layout runs (slowly) on any machine: share the CPUs, one
-            # intra-op thread per worker, rather than refuse.
-            on_node = f" on this node (of {parallel.world_size})" if nnodes > 1 else ""
-            logger.warning(
-                "%d CPU workers%s (data x tensor x pipeline x prefill context parallel sizes) "
-                "on %d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
-                "run slower than on %d CPUs", world, on_node, cpus, world)
-        _check_devices(world, device_type, worker_cls == MODEL_WORKER)
-        is_model_worker = worker_cls == MODEL_WORKER
-        if is_model_worker:  # a typo fails here, not in every worker
-            from mpexec.models.quantization import check_quantization
-
-            check_quantization(quantization)
-        speculative = _speculative(speculative_config, parallel, is_model_worker)
-        connector = _kv_transfer(kv_transfer_config, f"{model}|{dtype}|{quantization}",
-                                 block_size, parallel.world_size)
-        if connector is not None:
-            if not is_model_worker:
-                raise ValueError("kv_transfer_config needs the model worker (worker_cls)")
-            if decode_context_parallel_size > 1 or prefill_context_parallel_size > 1:
-                raise ValueError("kv_transfer_config does not support context parallelism "
-                                 "(decode/prefill_context_parallel_size > 1)")
-            # every worker's finished transfers, merged: not only the output rank's reply
-            executor_fields["aggregate_kv_outputs"] = True
-        if is_model_worker:
-            path = _resolve(model)
-            # Before any worker starts: a path that is no model, or a context
-            # longer than the model's, fails here in one line.
-            self.vocab_size = _check_model_len(path, max_model_len)
-            if enable_expert_parallel:
-                _check_experts(path, tensor_parallel_size * dp)
-            if num_threads is None and device_type == "cpu":
-                num_threads = max(1, cpus // world)
-            # Follower nodes open the checkpoint at the same path; a named model
-            # ("default", …) travels as it is, so each node fetches (or finds) its own copy.
-            spec = str(model) if nnodes > 1 and _is_named_model(str(model)) else str(path)
-            kwargs: dict[str, Any] = {
-                "model": spec, "dtype": dtype, "quantization": quantization,
-                "block_size": block_size,
-                "max_model_len": max_model_len,  # None: the checkpoint's
-                "max_num_batched_tokens": max_num_batched_tokens,
-                "kv_cache_memory_bytes": kv_cache_memory_bytes, "seed": seed,
-                "num_threads": num_threads, "kv_transfer_config": connector,
-                "speculative_config": speculative.to_dict() if speculative else None,
-            }
-            kwargs.update(worker_kwargs or {})
-            executor_fields.setdefault("omp_num_threads", num_threads)
-        else:
-            if tokenizer is None:
-                raise ValueError("worker_cls other than the model worker needs a tokenizer")
-            if max_model_len is None:
-                raise ValueError("worker_cls other than the model worker needs max_model_len")
-            kwargs = dict(worker_kwargs or {})
+        built = build_engine(EngineArgs(
+            model=model, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            replica_restart=replica_restart, nnodes=nnodes, node_rank=node_rank,
+            master_addr=master_addr, master_port=master_port, executor_backend=executor_backend,
+            dtype=dtype, quantization=quantization, seed=seed, async_scheduling=async_scheduling,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_transfer_config=kv_transfer_config,
+            speculative_config=speculative_config, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            device=device, distributed_backend=distributed_backend, num_threads=num_threads,
+            worker_cls=worker_cls, worker_kwargs=worker_kwargs, tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids, executor_fields=executor_fields))
+        self._engine = built.engine
         self.model = str(model)
-        config_obj = ExecutorConfig.from_env(
-            worker_cls=worker_cls, worker_kwargs=kwargs, parallel=parallel,
-            scheduler=SchedulerConfig(async_scheduling=async_scheduling),
-            executor_backend=executor_backend, device_type=device_type, **executor_fields)
-        # The workers start first: the driver has no threads yet, so they can be
-        # forked; opening the checkpoint (tokenizer libraries start threads)
-        # comes after.  One executor per data parallel replica.
-        replica_configs = [_replica_config(config_obj, p) for p in replica_parallel]
-        executors: list[Executor] = []
-        try:
-            for replica_config in replica_configs:
-                executors.append(Executor.get_class(replica_config)(replica_config))
-            if ep_across:
-                _join_replicas(executors, master_addr)
-            model_max_len = max_model_len
-            if isinstance(tokenizer, (str, os.PathLike)):
-                tokenizer = _load_tokenizer(tokenizer)
-            assert not isinstance(tokenizer, (str, os.PathLike))
-            if is_model_worker:
-                config, loaded = _open_model(path)
-                tokenizer = tokenizer or loaded
-                if eos_token_ids is None:
-                    eos_token_ids = list(dict.fromkeys(
-                        [*config.eos_token_ids, *loaded.eos_token_ids]))
-                model_max_len = max_model_len or config.max_position_embeddings
-            assert tokenizer is not None and model_max_len is not None
-            eos = tuple(eos_token_ids if eos_token_ids is not None
-                        else tokenizer.eos_token_ids)
-            limits = SchedulerLimits(max_model_len=model_max_len,
-                                     max_num_batched_tokens=max_num_batched_tokens,
-                                     max_num_seqs=max_num_seqs,
-                                     # a block holds block_size tokens on each DCP rank
-                                     block_size=block_size * decode_context_parallel_size,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     prefix_cache_namespace=f"{model}|{dtype}|{quantization}",
-                                     kv_transfer_config=connector,
-                                     num_speculative_tokens=speculative.num_speculative_tokens
-                                     if speculative else 0)
-            engines: list[Engine] = []
-            for executor in executors:
-                engines.append(Engine(executor, limits, eos, tokenizer=tokenizer,
-                                      vocab_size=self.vocab_size))
-            if dp == 1 and not replica_restart:
-                self._engine = engines[0]
-            else:
-                def rebuild(ranks: list[int]) -> list[Engine]:
-                    # with experts across replicas: every replica, joined again
-                    started: list[Executor] = []
-                    try:
-                        for rank in ranks:
-                            config = replica_configs[rank]
-                            started.append(Executor.get_class(config)(config))
-                        if ep_across:
-                            _join_replicas(started, master_addr)
-                        return [Engine(executor, limits, eos, tokenizer=tokenizer,
-                                       vocab_size=self.vocab_size) for executor in started]
-                    except BaseException:
-                        for executor in started:
-                            executor.shutdown()
-                        raise
-
-                self._engine = DataParallelEngine(engines, restart=replica_restart,
-                                                  factory=rebuild, lockstep=ep_across)
-        except BaseException:
-            for executor in executors:
-                executor.shutdown()
-            raise
-        self.tokenizer: TokenizerLike = tokenizer
+        self.vocab_size: int | None = built.vocab_size
+        self.tokenizer: TokenizerLike = built.tokenizer
         self._clock_offset = time.time() - time.monotonic()
 
     @property
@@ -645,168 +491,3 @@ class _ProgressBar:
     def close(self) -> None:
         sys.stderr.write("\n")
         sys.stderr.flush()
-
-
-def _check_arguments(**values: Any) -> None:
-    for name, value in values.items():
-        check_int(name, value, minimum=2 if name == "max_model_len" else
-                  (0 if name == "seed" else 1), optional=name == "max_model_len")
-
-
-def _check_model_len(path: Any, max_model_len: int | None) -> int:
-    """The model's vocabulary size; a ValueError when ``max_model_len`` exceeds its context."""
-    config, _ = _open_model(path, with_tokenizer=False)
-    limit = int(config.max_position_embeddings)
-    if max_model_len is not None and max_model_len > limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
-                         f"{limit} (max_position_embeddings of {path})")
-    return int(config.vocab_size)
-
-
-def _check_devices(workers: int, device_type: str, is_model_worker: bool) -> None:
-    """One clear error for more CUDA workers than this node's devices (CPU workers
-    may outnumber the CPUs: they share them, with a warning)."""
-    if is_model_worker and device_type == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
-        if workers > gpus:
-            raise ValueError(f"data_parallel_size x tensor_parallel_size x "
-                             f"pipeline_parallel_size = {workers} workers on this node, but it "
-                             f"has {gpus} CUDA devices: one worker needs one device")
-
-
-def _replica_parallel(parallel: ParallelConfig, rank: int) -> ParallelConfig:
-    """Data parallel rank ``rank``'s parallel config, as this node (0) drives it."""
-    dp, nodes = parallel.data_parallel_size, parallel.nnodes
-    first_node = rank * parallel.nnodes_within_dp if nodes >= dp else rank // (dp // nodes)
-    return dataclasses.replace(parallel, data_parallel_rank=rank,
-                               remote_replica=first_node != 0)
-
-
-def _replica_config(config: ExecutorConfig, parallel: ParallelConfig) -> ExecutorConfig:
-    """``config`` for one replica; a remote one keeps no per-local-worker lists
-    (its workers are on the followers, which get this config)."""
-    changes: dict[str, Any] = {"parallel": parallel}
-    if parallel.remote_replica:
-        if not isinstance(config.cpu_affinity, (str, type(None))):
-            changes["cpu_affinity"] = None
-        if not isinstance(config.omp_num_threads, (int, type(None))):
-            changes["omp_num_threads"] = None
-    return dataclasses.replace(config, **changes)
-
-
-def _join_replicas(executors: list[Executor], host: str) -> None:
-    """Experts split across replicas: every replica's workers join one world."""
-    from mpexec.executor.spec import PortReservation
-
-    port = PortReservation(host, 0)
-    try:
-        futures = [e.collective_rpc("join_data_parallel", args=(port.init_method,),
-                                    non_block=True) for e in executors]
-        for future in futures:
-            future.result()
-    finally:
-        port.close()
-
-
-def _check_experts(path: Any, ep_size: int) -> None:
-    """enable_expert_parallel: the checkpoint has experts, at least one per EP rank."""
-    import importlib
-
-    loader = importlib.import_module("mpexec.models.loader")
-    with loader.open_checkpoint(path) as checkpoint:
-        moe = getattr(checkpoint.config, "moe", None)
-    if moe is None:
-        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {path} "
-                         "is dense")
-    if moe.num_experts < ep_size:
-        raise ValueError(f"the model has {moe.num_experts} experts, fewer than the expert "
-                         f"parallel size {ep_size} (DP x TP ranks): a rank would hold none")
-
-
-def _device_type(device: str) -> str:
-    if device in ("cpu", "cuda"):
-        return device
-    if device != "auto":
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
-    return "cuda" if cuda_available() else "cpu"
-
-
-def cuda_available() -> bool:
-    """Whether torch sees a CUDA device (torch imported only when it may; see
-    :mod:`mpexec.devices`)."""
-    from mpexec.devices import cuda_available as visible
-
-    return visible()
-
-
-def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: int,
-                 world_size: int) -> dict[str, Any] | None:
-    """``kv_transfer_config`` (a dict or its JSON) completed with what the engine knows."""
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        import json
-
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("kv_transfer_config must be a JSON object")
-    from mpexec.models.kv_connector import KVTransferConfig
-
-    return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
-                                      world_size=world_size).to_dict()
-
-
-def _speculative(raw: dict[str, Any] | str | None, parallel: ParallelConfig,
-                 is_model_worker: bool) -> SpeculativeConfig | None:
-    """``speculative_config`` (a dict or its JSON) checked, or None."""
-    if raw is None:
-        return None
-    config = SpeculativeConfig.from_dict(raw)
-    if not is_model_worker:
-        raise ValueError("speculative_config needs the model worker (worker_cls)")
-    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
-        raise ValueError("speculative_config does not support context parallelism "
-                         "(decode/prefill_context_parallel_size > 1) yet")
-    return config
-
-
-def _is_named_model(model: str) -> bool:
-    import importlib
-
-    return model in importlib.import_module("mpexec.models.fetch").NAMED_MODELS
-
-
-def _resolve(model: str | os.PathLike[str]) -> Any:
-    import importlib
-
-    fetch = importlib.import_module("mpexec.models.fetch")
-    return fetch.resolve_model(str(model))
-
-
-def _load_tokenizer(spec: str | os.PathLike[str]) -> Any:
-    """A tokenizer from a checkpoint directory (tokenizer.json) or a .gguf file."""
-    from pathlib import Path
-
-    path = Path(spec)
-    if not path.exists():
-        raise ValueError(f"tokenizer={str(spec)!r}: no such file or directory")
-    if path.is_file():
-        return _open_model(path)[1]
-    import importlib
-
-    tokenizer_module = importlib.import_module("mpexec.models.tokenizer")
-    return tokenizer_module.Tokenizer.from_hf_dir(path)
-
-
-def _open_model(path: Any, with_tokenizer: bool = True) -> tuple[Any, Any]:
-    """The checkpoint's config and tokenizer (None without ``with_tokenizer``)."""
-    import importlib
-
-    loader = importlib.import_module("mpexec.models.loader")
-    with loader.open_checkpoint(path) as checkpoint:
-        return checkpoint.config, checkpoint.tokenizer() if with_tokenizer else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import threading
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from mpexec.config import ExecutorConfig
+from mpexec.errors import WorkerStartupError
 from mpexec.executor.lifecycle import FailureCallback, Lifecycle
 from mpexec.executor.ranks import output_rank
 from mpexec.executor.stats import CallStats, MethodStats
@@ -46,11 +48,13 @@ class _StartedOnConstruction(ABCMeta):
     """``SomeExecutor(config)`` constructs the executor, then calls its
     ``start()``: each ``__init__`` in the class chain stores its config and
     sets its attributes in the usual order, and no worker exists before all
-    of them have run."""
+    of them have run.  ``SomeExecutor(config, cancel=event)`` hands ``event``
+    to ``start`` (the constructor never sees it)."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, *args: Any, cancel: threading.Event | None = None,
+                 **kwargs: Any) -> Any:
         executor = super().__call__(*args, **kwargs)
-        executor.start()
+        executor.start(cancel=cancel)
         return executor
 
 
@@ -112,15 +116,36 @@ class Executor(metaclass=_StartedOnConstruction):
         )
         self.call_stats = CallStats()
         self._started = False
+        # Set from another thread: the start gives up (see start()).
+        self.start_cancel: threading.Event | None = None
 
-    def start(self) -> None:
+    def start(self, cancel: threading.Event | None = None) -> None:
         """Start the workers and wait until they are ready; raise (having cleaned
         up) if they cannot start.  ``SomeExecutor(config)`` calls it once every
-        ``__init__`` of the class has run; calling it again does nothing."""
+        ``__init__`` of the class has run; calling it again does nothing.
+
+        ``cancel``: an event another thread may set to end a start that is
+        still waiting (for follower nodes to join, for workers to report
+        READY, for the queue handshake); the start then cleans up and raises
+        ``WorkerStartupError``.  The ``mp`` backend checks it before it starts
+        anything and then at least every 50 ms while it waits for nodes and
+        workers (every 1.5 s in the handshake); the other backends, whose
+        start waits for no node, do not look at it.
+        """
         if self._started:
             return
         self._started = True
+        self.start_cancel = cancel
         self._init_executor()
+
+    def raise_if_start_cancelled(self) -> None:
+        """``WorkerStartupError`` once ``start``'s ``cancel`` event is set."""
+        if self.start_cancel is not None and self.start_cancel.is_set():
+            raise WorkerStartupError("the executor's start-up was cancelled (its cancel "
+                                     "event was set) before the workers were ready")
+
+    def start_cancelled(self) -> bool:
+        return self.start_cancel is not None and self.start_cancel.is_set()
 
     @abstractmethod
     def _init_executor(self) -> None:

@@ -18,6 +18,9 @@ first, then the reply queues in rank order.
 
 A queue whose far end is on a follower node waits (bounded by the node
 timeout) for the node monitor's verdict, so the error names the node.
+Every wait of the start also gives up once ``start``'s ``cancel`` event is
+set (``Executor.start``): for the nodes and the workers within 50 ms, in the
+handshake within its 1.5 s slice.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class MultiprocExecutor(Driver):
     def _start_workers(self, deadline: float) -> None:
         config, life = self.config, self.lifecycle
         parallel = self.parallel_config
+        self.raise_if_start_cancelled()
         if parallel.nnodes_within_dp > 1 and parallel.node_rank_within_dp != 0:
             raise ValueError(
                 f"node_rank {parallel.node_rank} is a follower node: run `mpexec node` (or "
@@ -98,12 +102,17 @@ class MultiprocExecutor(Driver):
         cluster = self.cluster
         if cluster is not None:
             self._remote_handles = admit_followers(cluster, life.handles, config, handle,
-                                                   life.port.init_method, deadline)
+                                                   life.port.init_method, deadline,
+                                                   cancelled=self.start_cancelled)
+        self.raise_if_start_cancelled()
         # A stopped or hung worker fails the start within its bound, not at the deadline.
         stalled = startup_guard(stall, local_handles) if stall.enabled else None
+        tick = partial(_cancelled_or_stalled, self.raise_if_start_cancelled, stalled)
         reply_handles = reply_handles_when_ready(local_handles, cluster, deadline,
-                                                 config.startup_timeout_s, stalled,
-                                                 stall.tick_s or 0.05)
+                                                 config.startup_timeout_s, tick,
+                                                 stall.tick_s or 0.05,
+                                                 cancelled=self.start_cancelled)
+        self.raise_if_start_cancelled()
         for rank in range(self._start_rank, self._start_rank + self.world_size):
             # Remote ranks' reply queues are read over the network (the
             # seed's peer_worker_response_mqs); local ones through shared memory.
@@ -114,9 +123,8 @@ class MultiprocExecutor(Driver):
             life.queues.append(reply_mq)
         self.replies.attach(self.response_mqs, self.calls.lock)
         lost = None if cluster is None else cluster.lost_during_start
-        if stalled is not None:
-            lost = partial(_lost_or_stalled, stalled, lost)
-        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s, lost)
+        handshake(mq, self.response_mqs, deadline, config.startup_timeout_s,
+                  partial(_lost_or_stalled, tick, lost))
 
     # -- failure -------------------------------------------------------------------
 
@@ -128,9 +136,18 @@ class MultiprocExecutor(Driver):
 
 
 
-def _lost_or_stalled(stalled: Callable[[], None],
+def _cancelled_or_stalled(cancelled: Callable[[], None],
+                          stalled: Callable[[], None] | None) -> None:
+    """A start-up wait's tick: raises WorkerStartupError once the start is
+    cancelled, or for a stalled worker."""
+    cancelled()
+    if stalled is not None:
+        stalled()
+
+
+def _lost_or_stalled(tick: Callable[[], None],
                      lost: Callable[[], str | None] | None) -> str | None:
-    stalled()  # raises WorkerStartupError for a stalled worker
+    tick()  # raises WorkerStartupError: cancelled, or a stalled worker
     return None if lost is None else lost()
 
 

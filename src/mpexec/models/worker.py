@@ -160,8 +160,13 @@ class ModelWorker(WorkerBase):
         self.pcp_group: Any = None
         self.pcp_split_steps = 0  # steps whose rows this rank shared with its PCP group
         self.expert_parallel = parallel.enable_expert_parallel
-        # Experts split over every replica's ranks: one world across the replicas.
+        # Experts split over every replica's ranks: one world across the replicas,
+        # whose DP group the MoE layers gather over.
         self.ep_across_replicas = self.expert_parallel and parallel.data_parallel_size > 1
+        # The groups come with join_data_parallel (mpexec.models.dp_world): with
+        # experts across the replicas, or dense replicas sharing one world.
+        self.joins_replicas = parallel.joins_replica_world
+        self.joined = False
         self.ep_group: Any = None
         self.dp_group: Any = None
         self.device = torch.device(context.device)
@@ -213,7 +218,7 @@ class ModelWorker(WorkerBase):
             torch.cuda.set_device(self.device)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        if self.ep_across_replicas:
+        if self.joins_replicas:
             return  # the groups come with join_data_parallel
         if self.context.world_size == 1:
             self.tp_group = self.pp_group = SingleRankGroup()
@@ -223,7 +228,9 @@ class ModelWorker(WorkerBase):
         distributed.init_distributed_environment(
             world_size=self.context.world_size, rank=self.rank, local_rank=self.local_rank,
             distributed_init_method=self.distributed_init_method, backend=self.context.backend)
-        # This world is one data parallel replica: its DP group is of one.
+        # This world is one data parallel replica (one replica of one, or with
+        # replica_restart a dense replica that must be rebuilt alone): its DP
+        # group is of one.
         distributed.initialize_model_parallel(
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
             prefill_context_model_parallel_size=self.pcp_size,
@@ -240,21 +247,19 @@ class ModelWorker(WorkerBase):
             self.pcp_group = distributed.get_pcp_group()
 
     def join_data_parallel(self, init_method: str) -> None:
-        """Expert parallelism across replicas: join the world of every replica's
-        workers at ``init_method`` (``mpexec.models.dp_world``), then load."""
+        """Join the world of every replica's workers at ``init_method``
+        (``mpexec.models.dp_world``), then load the model."""
         from mpexec.models.dp_world import join_replica_world
 
         groups = join_replica_world(self.context, init_method)
         self.owns_distributed = True
-        self.tp_group, self.pp_group, self.ep_group, self.dp_group = groups
-        if self.dcp_size > 1:
-            from mpexec import distributed
-
-            self.dcp_group = distributed.get_dcp_group()
+        self.joined = True
+        self.tp_group, self.pp_group, self.dp_group = groups.tp, groups.pp, groups.dp
+        self.ep_group, self.dcp_group, self.pcp_group = groups.ep, groups.dcp, groups.pcp
         self.load_model()
 
     def load_model(self) -> None:
-        if self.ep_across_replicas and self.ep_group is None:
+        if self.joins_replicas and not self.joined:
             return  # join_data_parallel loads, once the world exists
         with _open_checkpoint(self.model_spec) as checkpoint:
             config = checkpoint.config
@@ -281,7 +286,11 @@ class ModelWorker(WorkerBase):
                                     dtype=self.dtype, device=self.device, max_positions=max_len,
                                     dcp_group=self.dcp_group, dcp_head_counts=head_counts,
                                     expert_parallel=self.expert_parallel,
-                                    ep_group=self.ep_group, dp_group=self.dp_group,
+                                    ep_group=self.ep_group,
+                                    # only experts across replicas gather over DP:
+                                    # dense replicas in one world step on their own
+                                    dp_group=self.dp_group if self.ep_across_replicas
+                                    else None,
                                     quantization=self.quantization)
         experts = self.stage.experts_held()
         logger.info("rank %d (PP stage %d/%d) holds %s%s; %s on %s, weights %s", self.rank,

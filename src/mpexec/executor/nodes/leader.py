@@ -143,10 +143,12 @@ class NodeServer:
         self._wait_until(lambda node: node.session is not None, deadline, timeout_s,
                          "join", give_up)
 
-    def collect(self, deadline: float, timeout_s: float) -> dict[int, Handle]:
-        """Every follower's READY: the reply-queue handle of each remote rank."""
+    def collect(self, deadline: float, timeout_s: float,
+                give_up: Callable[[], bool] = lambda: False) -> dict[int, Handle]:
+        """Every follower's READY: the reply-queue handle of each remote rank
+        (whatever came by then, once ``give_up()`` is true)."""
         self._wait_until(lambda node: len(node.reply_handles) == len(node.ranks),
-                         deadline, timeout_s, "report READY")
+                         deadline, timeout_s, "report READY", give_up)
         return {rank: h for n in self.nodes.values() for rank, h in n.reply_handles.items()}
 
     def lost_during_start(self) -> str | None:
@@ -385,12 +387,14 @@ def node_assignment(config: ExecutorConfig, broadcast: Handle, init_method: str,
 
 def admit_followers(cluster: NodeServer, handles: list[WatchedWorker], config: ExecutorConfig,
                     broadcast: Handle, init_method: str, deadline: float,
+                    cancelled: Callable[[], bool] = lambda: False,
                     ) -> dict[int, RemoteNodeHandle]:
     """Add each follower node to ``handles`` (the lifecycle's), then wait for
     every JOIN; returns each remote rank's node handle.
 
     Stops waiting as soon as one of the local workers already in ``handles``
-    is gone: its own error (``wait_for_ready``) says more than a late JOIN.
+    is gone: its own error (``wait_for_ready``) says more than a late JOIN;
+    or once ``cancelled()`` is true (the caller raises).
     """
     local = list(handles)
     remote: dict[int, RemoteNodeHandle] = {}
@@ -399,20 +403,22 @@ def admit_followers(cluster: NodeServer, handles: list[WatchedWorker], config: E
         remote.update(dict.fromkeys(node.ranks, node))
     cluster.admit(partial(node_assignment, config, broadcast, init_method),
                   deadline, config.startup_timeout_s,
-                  give_up=lambda: not all(h.is_alive() for h in local))
+                  give_up=lambda: cancelled() or not all(h.is_alive() for h in local))
     return remote
 
 
 def reply_handles_when_ready(local: list[LocalWorkerHandle], cluster: NodeServer | None,
                              deadline: float, timeout_s: float,
                              tick: Callable[[], None] | None = None,
-                             tick_s: float = 0.05) -> dict[int, Handle]:
+                             tick_s: float = 0.05,
+                             cancelled: Callable[[], bool] = lambda: False) -> dict[int, Handle]:
     """Every rank's reply-queue handle: the local workers' ``Ready`` (a lost
     follower fails this wait too), then every follower's READY.  ``tick``
-    runs every ``tick_s`` of the local wait (what it raises ends it)."""
+    runs every ``tick_s`` of the local wait (what it raises ends it); the
+    followers' wait ends early once ``cancelled()`` is true (the caller raises)."""
     nodes = [] if cluster is None else list(cluster.nodes.values())
     ready = wait_for_ready(local, deadline, timeout_s, watch=nodes, tick=tick, tick_s=tick_s)
     handles = {message.rank: message.reply_handle for message in ready}
     if cluster is not None:
-        handles.update(cluster.collect(deadline, timeout_s))
+        handles.update(cluster.collect(deadline, timeout_s, give_up=cancelled))
     return handles
