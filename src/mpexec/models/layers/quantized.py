@@ -48,6 +48,7 @@ _KERNEL_DTYPE = torch.bfloat16
 GROUP = 32
 _ROW_TILE = 16
 SPLIT_ROWS = 64  # steps of at most this many rows pass x as bfloat16 high + low
+LOW_MEAN = 7.5  # of a low nibble, 0..15
 
 
 def _kernel_input(x: torch.Tensor, in_features: int,
@@ -142,21 +143,24 @@ class Int8GroupWeight:
         each group is split the way that keeps its zeros small (zeros that
         cancel would cost ~2⁻⁹ of them per element):
 
-            plain    high (h, 16s, m)          low (l, s, 0)   zeros m + 128s, 8s
-            shifted  high (h + 8, 16s, −128s)  low (l, s, m)   zeros 0, m + 8s
+            plain    high (h, 16s, m + 7.5s)   low (l, s, −7.5s)   zeros m + 135.5s, s/2
+            shifted  high (h + 8, 16s, −128s)  low (l, s, m)       zeros 0, m + 8s
                      (only where every h <= 7: 5-bit and 4-bit groups)
 
-        Q8_0 (m = −128·d) takes the plain split, Q5_0 (m = −16·d) the shifted one."""
+        Q8_0 (m = −128·d) takes the plain split, Q5_0 (m = −16·d) the shifted one.
+        The plain split centres the low nibbles (0..15, mean 7.5): when every
+        group is plain (``centred``), ``high`` alone is an unbiased estimate of
+        the product, off by ``Σ s·(l − 7.5)·x`` (an LM head's candidate pass)."""
         self.out_features, self.in_features = q.shape
         rows = q.shape[0]
         high, low = q >> 4, q & 15
         small_high = high.view(rows, -1, GROUP).amax(-1) <= 7
         shifted = small_high & ((minimum + 8 * scale).abs() < (minimum + 128 * scale).abs())
         spread = shifted.repeat_interleave(GROUP, dim=1)
+        self.centred = not bool(shifted.any())
         self.high = Int4Weight(high + 8 * spread.to(high.dtype), 16 * scale,
-                               torch.where(shifted, -128 * scale, minimum))
-        self.low = Int4Weight(low, scale, torch.where(shifted, minimum,
-                                                      torch.zeros_like(minimum)))
+                               torch.where(shifted, -128 * scale, minimum + LOW_MEAN * scale))
+        self.low = Int4Weight(low, scale, torch.where(shifted, minimum, -LOW_MEAN * scale))
 
     @property
     def nbytes(self) -> int:
