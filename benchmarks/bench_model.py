@@ -84,8 +84,8 @@ def worker_weight_bytes(wrapper: Any) -> int:
             seen[obj.data_ptr()] = obj.numel() * obj.element_size()
         elif depth < 6 and hasattr(obj, "__dict__"):
             for name, value in vars(obj).items():
-                if name in ("group", "row_scale"):
-                    continue  # a process group's buffers; the float32 copy of int8 scales
+                if name == "group":
+                    continue  # a process group's buffers
                 if isinstance(value, list):
                     for item in value:
                         visit(item, depth + 1)

@@ -8,8 +8,8 @@ Each TP rank holds the rows ``[vocab_start, vocab_stop)`` of the embedding
 - LM head: a rank computes the logits of its rows; ``all_gather`` along the
   vocabulary dimension (uneven slices allowed) gives every rank the full row.
 
-The embedding's rows may be packed (``quantized.GroupRows`` or
-``Int8Weight``: a lookup gathers and scales the rows it needs), and so may
+The embedding's rows may be packed (``quantized.GroupRows``: a lookup
+gathers and scales the rows it needs), and so may
 the head's weight (any ``quantized.Weight``).  A packed head's results
 carry bfloat16 rounding (up to 1/16 on a logit of 20); given ``exact_rows``
 (the same rows, readable one by one), each row's ``RESCORED`` highest
@@ -57,7 +57,6 @@ from mpexec.models.layers.quantized import (
     GROUP,
     GroupRows,
     Int8GroupWeight,
-    PackedRows,
     Rows,
     Weight,
     matmul,
@@ -98,14 +97,14 @@ class ParallelLMHead:
     """Full float32 logits on every rank from this rank's vocabulary rows."""
 
     def __init__(self, weight: Weight, group: ParallelGroup,
-                 exact_rows: PackedRows | None = None) -> None:
+                 exact_rows: GroupRows | None = None) -> None:
         self.weight = weight
         self.group = group
         self.exact_rows = exact_rows
         # each group's largest (4ᵏ − 1)/12 · s² [groups]: the widest σ of any
         # row (None: this head has no estimating pass)
         self.widest_variance: torch.Tensor | None = None
-        if isinstance(weight, Int8GroupWeight) and isinstance(exact_rows, GroupRows) \
+        if isinstance(weight, Int8GroupWeight) and exact_rows is not None \
                 and len(exact_rows.scale):
             self.widest_variance = self._low_variance(slice(None)).amax(0)
 
@@ -149,7 +148,7 @@ class ParallelLMHead:
     def _low_variance(self, ids: torch.Tensor | slice) -> torch.Tensor:
         """(4ᵏ − 1)/12 · s² of rows ``ids``, per group: the variance of the
         estimate's error per unit of ``Σ_{i∈g} x_i²``."""
-        assert isinstance(self.weight, Int8GroupWeight) and isinstance(self.exact_rows, GroupRows)
+        assert isinstance(self.weight, Int8GroupWeight) and self.exact_rows is not None
         levels = 4.0 ** self.weight.low_bits[ids].float()
         return (levels - 1) / 12 * self.exact_rows.scale[ids].square()
 
@@ -157,7 +156,7 @@ class ParallelLMHead:
         """Estimates from the high bits, exact where they could be the
         argmax (the module docstring)."""
         assert isinstance(self.weight, Int8GroupWeight) and self.widest_variance is not None
-        assert isinstance(self.exact_rows, GroupRows)
+        assert self.exact_rows is not None
         x = hidden.float()
         logits = self.weight.high(x, split=False).float()
         every = torch.arange(len(x))

@@ -7,19 +7,18 @@
     Int8GroupWeight  5- to 8-bit values in groups of 32 (Q8_0, Q5_0), as two
                  Int4Weights: q = 2ᵏ·h + l, h the top 4 bits — two int4
                  matmuls, summed in float32
-    Int8Weight   int8 values, one scale per output row:  w = s·q
-                 aten._weight_int8pack_mm; an embedding lookup gathers rows
     GroupRows    groups of 32 unpacked (uint8 q, scale, minimum): embedding rows
+    PaddedColumns  a grouped weight whose input starts or ends inside a group
 
 GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) map onto ``Int4Weight`` exactly — a
 group's ``x = scale·q + minimum`` is ``scale·(q − 8) + (minimum + 8·scale)``
 — and Q8_0, Q5_0 and Q5_1 onto ``Int8GroupWeight``, up to the kernel's
-bfloat16 scales.  Every other quantised type is re-quantised to
-``Int8Weight`` from its float values (per-row scale ``max|w| / 127``),
-which costs more accuracy: the int8 kernel has no per-group scales.  (Q8_0
-as two int4 matmuls measured faster than the int8 kernel on a head, 49152 ×
-576 at batch 1: 2 × ~2 ms against ~6 ms; on a layer's 2048 × 640 the int8
-kernel is faster, 160 µs against 270, but lossy.)
+bfloat16 scales.  Types without groups of 32 are re-quantised to Q8_0-like
+groups first (``quantization.requantise``).  The int8 kernel
+(``_weight_int8pack_mm``, one scale per output row) is not used: on a
+tiny Q6_K model a scale per row moved logits by up to 0.37 where groups
+move them by 0.27, and on 18 layers' 4096 × 640 weights read from memory
+it was slower than two int4 matmuls (11.8 ms against 10.9).
 
 Both kernels take bfloat16 activations (on this AVX-512 BF16 CPU the float32
 and float16 paths are 10-30× slower than a float32 matmul: a reference loop).
@@ -110,37 +109,6 @@ class Int4Weight:
         return out if out.shape[-1] == self.out_features else out[:, :self.out_features]
 
 
-class Int8Weight:
-    def __init__(self, weight: torch.Tensor) -> None:
-        """Quantise float ``weight`` (out, in) to int8 with one scale per row."""
-        weight = weight.float()
-        self.out_features, self.in_features = weight.shape
-        amax = weight.abs().amax(dim=1) if weight.numel() else weight.new_zeros(len(weight))
-        # the scale the kernel will use (bfloat16) is the one the values are rounded to
-        scale = (amax / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
-        self.scale = scale
-        self.row_scale = scale.float()
-        self.q = torch.round(weight / self.row_scale[:, None]).clamp(-127, 127) \
-            .to(torch.int8)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
-
-    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features, split)
-        out = _kernel_output(torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale), count)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` as ``dtype`` (an embedding lookup)."""
-        return (self.q[ids].to(torch.float32) * self.row_scale[ids].unsqueeze(-1)).to(dtype)
-
-    def dot(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """float32 ``row · x`` of rows ``ids`` (1-D) and one float32 vector ``x``."""
-        return (self.q[ids].to(torch.float32) @ x) * self.row_scale[ids]
-
-
 class Int8GroupWeight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         """``q`` (out, in) in 0..255, per group of 32: x = scale·q + minimum.
@@ -212,10 +180,29 @@ class GroupRows:
         return (dots * self.scale[ids] + self.minimum[ids] * groups.sum(-1)).sum(-1)
 
 
-PackedWeight = Int4Weight | Int8GroupWeight | Int8Weight
-Weight = torch.Tensor | Int4Weight | Int8GroupWeight | Int8Weight
-Rows = torch.Tensor | GroupRows | Int8Weight
-PackedRows = GroupRows | Int8Weight  # rows readable one by one from packed storage
+class PaddedColumns:
+    """A grouped weight over whole groups of columns, of which the input covers
+    only ``[before, in − after)``: the input is padded with zeros to the
+    groups (a tensor-parallel slice whose columns do not fall on group edges;
+    zero inputs make the columns outside the slice contribute exactly 0)."""
+
+    def __init__(self, weight: Int4Weight | Int8GroupWeight, before: int, after: int) -> None:
+        self.weight = weight
+        self.before, self.after = before, after
+        self.out_features = weight.out_features
+        self.in_features = weight.in_features - before - after
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        return self.weight(torch.nn.functional.pad(x, (self.before, self.after)), split)
+
+
+PackedWeight = Int4Weight | Int8GroupWeight | PaddedColumns
+Weight = torch.Tensor | Int4Weight | Int8GroupWeight | PaddedColumns
+Rows = torch.Tensor | GroupRows
 
 
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
