@@ -357,7 +357,8 @@ def test_smollm2_packed_gives_the_demo_answers_of_the_dequantised_model(
         smollm2_gguf: Path) -> None:
     """The demo's four questions, 48 greedy tokens each (the demo's
     max_tokens): packed weights (the default) answer word for word as the
-    dequantised ones.  Before activations went to the kernels as bfloat16
+    dequantised ones (the packed head taking its argmax-only pass, as for
+    the demo's greedy requests).  Before activations went to the kernels as bfloat16
     high + low parts and the head's top logits were re-scored exactly, two
     of the four answers changed (the first at its first token: "L'Étoile…"
     instead of "The capital of France is Paris.")."""
@@ -370,23 +371,26 @@ def test_smollm2_packed_gives_the_demo_answers_of_the_dequantised_model(
     want = [greedy_run(dense, prompt, None, steps=48)[1] for prompt in prompts]
     del dense
     packed = build(smollm2_gguf, "auto")
-    got = [greedy_run(packed, prompt, None, steps=48)[1] for prompt in prompts]
+    got = [greedy_run(packed, prompt, None, steps=48, argmax_only=True)[1]
+           for prompt in prompts]
     assert [tokenizer.decode(t) for t in got] == [tokenizer.decode(t) for t in want]
     assert got == want
 
 
 def greedy_run(stage: LlamaStage, prompt: list[int], forced: list[int] | None,
-               steps: int = 16) -> tuple[Any, list[int]]:
+               steps: int = 16, argmax_only: bool = False) -> tuple[Any, list[int]]:
     """``steps`` decode steps (``forced`` tokens, else greedy): each step's
-    logits, the tokens."""
+    logits, the tokens (``argmax_only``: the head's pass for greedy sampling,
+    as the worker runs greedy requests)."""
     blocks = list(range(-(-(len(prompt) + steps) // BLOCK)))
     cache = new_cache(stage, blocks=len(blocks))
-    rows = [run(stage, cache, [(prompt, blocks, 0)])[-1]]
+    rows = [run(stage, cache, [(prompt, blocks, 0)], argmax_only=argmax_only)[-1]]
     tokens: list[int] = []
     for step in range(steps):
         tokens.append(forced[step] if forced is not None else int(rows[-1].argmax()))
         if step < steps - 1:
-            rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0])
+            rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)],
+                            argmax_only=argmax_only)[0])
     return torch.stack(rows), tokens
 
 
