@@ -2,7 +2,8 @@
 
     python benchmarks/bench_model.py [--model default|gemma3-270m|PATH] [--steps 24] [--threads 1]
                                      [--dtypes float32,bfloat16] [--layouts tp1,tp2,pp2]
-                                     [--quantizations auto,none] [--profile]
+                                     [--quantizations auto,none] [--prompt text|synthetic]
+                                     [--profile]
 
 For each dtype, quantisation (``auto``: quantised weights kept packed,
 ``none``: dequantised to the dtype) and layout (TP=1, TP=2, PP=2 through the mp executor, one
@@ -13,8 +14,13 @@ this process), in the same run:
 - load time: for mpexec, starting the executor until its KV cache is up and
   warmed (processes, checkpoint, weights); for transformers, ``from_pretrained``
   of the GGUF (float32);
-- decode tokens/s at batch 1 and 16 (64-token prompts; the median step: for
-  transformers, between consecutive calls of a logits processor in generate);
+- decode tokens/s at batch 1 and 16 (64-token prompts, greedy; the median
+  step: for transformers, between consecutive calls of a logits processor in
+  generate).  A greedy step of a packed 8-bit head reads half the head and
+  re-scores the logits that could win (``embedding.ParallelLMHead``), so
+  its cost depends on how flat the distribution is: ``--prompt text``
+  (English, the default) or ``synthetic`` (arithmetic token ids, flat at
+  first);
 - prefill tokens/s of one 512-token prompt;
 - weight bytes read per second in batch-1 decode (every weight of a rank is
   read once per step) beside a streaming-read bandwidth (``sum`` over 512 MiB,
@@ -62,6 +68,38 @@ from mpexec.outputs import (  # noqa: E402
 
 BLOCK = 16
 PROMPT = 64
+# English text for the decode prompts (``--prompt text``): request i of a batch
+# starts 7·i tokens in, so no two requests share a prompt.
+PASSAGE = (
+    "The lighthouse keeper climbed the narrow stairs every evening at dusk, carrying a "
+    "small brass lamp and a notebook in which he wrote down the weather, the ships he "
+    "had seen and anything else that seemed worth remembering. Over the years the "
+    "notebook had grown into a shelf of notebooks, and the shelf into a small library "
+    "that visitors from the village sometimes asked to read. They found storms described "
+    "in careful detail, the names of fishing boats that no longer sailed, recipes for "
+    "fish soup, arguments with himself about the stars, and long lists of birds that "
+    "rested on the gallery rail during the autumn migration. One winter a young woman "
+    "from the university came to copy the weather records for a study of the coast. "
+    "She stayed for three weeks, and when she left she asked whether she might come back "
+    "in the spring to read the rest. He said that she could, and then, after a pause, "
+    "that he would be glad of the company, which surprised them both. In April she "
+    "returned with a camera, a box of pencils and a great many questions about tides.")
+
+
+def decode_prompts(model: Path, kind: str, batch: int) -> list[list[int]]:
+    """The ``PROMPT``-token prompts of a decode batch: windows of ``PASSAGE``
+    (``text``) or arithmetic token ids (``synthetic``: 100, 103, 106, …, the
+    benchmark's prompt before 2026-12-05, which sends Gemma 3 into near-flat
+    distributions for its first steps)."""
+    if kind == "synthetic":
+        return [[(13 * i + 3 * j) % 40000 + 100 for j in range(PROMPT)] for i in range(batch)]
+    from mpexec.models.loader import open_checkpoint
+
+    with open_checkpoint(model) as checkpoint:
+        tokens = checkpoint.tokenizer().encode(PASSAGE)
+    if len(tokens) < PROMPT + 7 * (batch - 1):
+        raise ValueError(f"the passage has {len(tokens)} tokens: too few for {batch} prompts")
+    return [tokens[7 * i: 7 * i + PROMPT] for i in range(batch)]
 PREFILL = 512
 GREEDY = SamplingParams(temperature=0, max_tokens=10_000)
 
@@ -84,8 +122,8 @@ def worker_weight_bytes(wrapper: Any) -> int:
             seen[obj.data_ptr()] = obj.numel() * obj.element_size()
         elif depth < 6 and hasattr(obj, "__dict__"):
             for name, value in vars(obj).items():
-                if name in ("group", "row_scale"):
-                    continue  # a process group's buffers; the float32 copy of int8 scales
+                if name == "group":
+                    continue  # a process group's buffers
                 if isinstance(value, list):
                     for item in value:
                         visit(item, depth + 1)
@@ -165,7 +203,8 @@ class OurModel:
     """An mp executor of ModelWorkers, stepped with hand-built SchedulerOutputs."""
 
     def __init__(self, model: Path, tp: int, pp: int, dtype: str, threads: int,
-                 quantization: str = "auto") -> None:
+                 quantization: str, prompts: list[list[int]]) -> None:
+        self.prompts = prompts  # one per request of a decode batch
         config = ExecutorConfig(
             worker_cls="mpexec.models.worker:ModelWorker",
             worker_kwargs=dict(model=str(model), dtype=dtype, quantization=quantization,
@@ -227,7 +266,7 @@ class OurModel:
         for i in range(batch):
             self.serial += 1
             rid = f"d{self.serial}"
-            prompt = [(13 * i + 3 * j) % 40000 + 100 for j in range(PROMPT)]
+            prompt = self.prompts[i]
             news.append(NewRequestData(rid, prompt, GREEDY, self._blocks(PROMPT + steps + 4)))
             rids.append(rid)
         _, _, result = self._step(SchedulerOutput(
@@ -260,7 +299,8 @@ class OurModel:
 class Reference:
     """transformers generate on the same GGUF, in this process."""
 
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
         import transformers
 
         torch.set_num_threads(threads)
@@ -283,7 +323,8 @@ class Reference:
                 stamps.append(time.perf_counter())
                 return scores
 
-        ids = torch.tensor([[(13 * i + 3 * j) % 40000 + 100 for j in range(length)]
+        ids = torch.tensor(self.prompts[:batch] if length == PROMPT else
+                           [[(13 * i + 3 * j) % 40000 + 100 for j in range(length)]
                             for i in range(batch)])
         started = time.perf_counter()
         with torch.inference_mode():
@@ -397,6 +438,9 @@ def main() -> None:
     parser.add_argument("--read-tp", type=int, default=2,
                         help="also load packed at this TP size here and count each rank's "
                         "file reads (0: skip)")
+    parser.add_argument("--prompt", choices=("text", "synthetic"), default="text",
+                        help="decode prompts: windows of an English passage, or arithmetic "
+                        "token ids (see decode_prompts)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile batch-1 decode steps on every rank")
     args = parser.parse_args()
@@ -412,7 +456,8 @@ def main() -> None:
     extras: list[list[Any]] = []
     profiles: list[list[Any]] = []
     started = time.perf_counter()
-    reference = Reference(model, args.threads)
+    prompts = decode_prompts(model, args.prompt, 16)
+    reference = Reference(model, args.threads, prompts)
     reference_load = time.perf_counter() - started
     measured: dict[tuple[str, str], dict[str, float]] = {}
     for dtype in dtypes:
@@ -429,7 +474,7 @@ def main() -> None:
         for layout, quantization in itertools.product(layouts, quantizations):
             tp, pp = LAYOUTS[layout]
             started = time.perf_counter()
-            ours = OurModel(model, tp, pp, dtype, args.threads, quantization)
+            ours = OurModel(model, tp, pp, dtype, args.threads, quantization, prompts)
             layout = f"{layout} {'packed' if quantization == 'auto' else 'dequantised'}"
             load = time.perf_counter() - started
             try:

@@ -56,9 +56,10 @@ def new_cache(stage: LlamaStage, blocks: int = 64) -> KVCache:
 
 
 def run(stage: LlamaStage, cache: KVCache, chunks: list[tuple[list[int], list[int], int]],
-        verify: bool = False) -> Any:
+        verify: bool = False, argmax_only: bool = False) -> Any:
     """One step: per request (tokens, block table, start); logits of every row
-    (``verify``: each chunk is a decode token with its drafts)."""
+    (``verify``: each chunk is a decode token with its drafts; ``argmax_only``:
+    the head's pass for greedy sampling, see ``ParallelLMHead``)."""
     layout = [ScheduledRequest(blocks, start, len(tokens), verify)
               for tokens, blocks, start in chunks]
     ids = torch.tensor([t for tokens, _, _ in chunks for t in tokens])
@@ -67,7 +68,7 @@ def run(stage: LlamaStage, cache: KVCache, chunks: list[tuple[list[int], list[in
     batch = build_attention_batch(layout, BLOCK, CPU)
     hidden, residual = stage.forward(positions=positions, batch=batch, cache=cache,
                                      token_ids=ids)
-    return stage.compute_logits(hidden, residual, torch.arange(len(ids)))
+    return stage.compute_logits(hidden, residual, torch.arange(len(ids)), argmax_only)
 
 
 def reference_logits(directory: Path, ids: list[int], qwen2: bool = False) -> Any:

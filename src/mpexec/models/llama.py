@@ -184,11 +184,13 @@ class LlamaStage:
         return ""
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor,
-                       rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[len(rows), vocab]`` of the chosen rows (last stage)."""
+                       rows: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """float32 logits ``[len(rows), vocab]`` of the chosen rows (last stage);
+        ``argmax_only``: exact only where they decide each row's argmax
+        (``ParallelLMHead``)."""
         assert self.final_norm is not None and self.lm_head is not None
         normed, _ = self.final_norm(hidden[rows], residual[rows])
-        logits = self.lm_head(normed)
+        logits = self.lm_head(normed, argmax_only)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

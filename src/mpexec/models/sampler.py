@@ -120,6 +120,17 @@ class SampleRequest:
     history: TokenHistory | None = None
 
 
+def argmax_suffices(requests: Sequence[SampleRequest]) -> bool:
+    """True when every row's token is the argmax of its logits as they come:
+    greedy, and nothing above reads or changes the other logits (no logprobs,
+    grammar, logit_bias, penalties, nor a min_tokens ban in force)."""
+    return all(r.params.greedy and r.params.logprobs is None
+               and r.params.guided_decoding is None and not r.params.logit_bias
+               and not r.params.has_penalties
+               and not (r.num_output_tokens < r.params.min_tokens and r.min_tokens_stop_ids)
+               for r in requests)
+
+
 CANDIDATES = 1024
 """How many of a row's most likely tokens top-k and top-p look at first: a
 partial sort (``topk``) of these is far cheaper than sorting the vocabulary,

@@ -150,8 +150,9 @@ def write_tiny_gguf(
 
     ``qtype`` (a ``gguf.GGMLQuantizationType`` name) is used for every 2-D
     weight whose rows are whole blocks; others and all 1-D tensors are F32.
-    Types gguf cannot quantise (K-quants, IQ types) get random blocks (see
-    ``_quantize``): for loader tests, not for comparing outputs.
+    Types nothing here quantises (K-quants but Q4_K and Q6_K, IQ types) get
+    random blocks (see ``_quantize``): for loader tests, not for comparing
+    outputs.
     ``skip`` leaves out GGUF tensors by name, and ``metadata_changes``
     overrides ``llama.*`` integer keys: both only to make damaged files.
     """
@@ -244,18 +245,20 @@ def _llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> Any:
 def _quantize(values: Any, quant: Any, rng: Any) -> Any:
     """``values`` in ``quant``'s blocks; random blocks where gguf cannot quantise.
 
-    gguf's Python package quantises the legacy types only; Q4_K is written by
-    :func:`quantize_q4_k`.  For the others (other K-quants, IQ types) the
-    blocks are random bytes of the right size, with bit 6 of every odd byte
-    cleared so that every little-endian float16 at an
-    even offset (all the scales of these layouts) is finite and below 2: such
-    a file tests the loader's blocks and slices, not the model's numerics.
+    gguf's Python package quantises the legacy types only; Q4_K and Q6_K are
+    written by :func:`quantize_q4_k` and :func:`quantize_q6_k`.  For the others
+    (other K-quants, IQ types) the blocks are random bytes of the right size,
+    with bit 6 of every odd byte cleared so that every little-endian float16
+    at an even offset (all the scales of these layouts) is finite and below 2:
+    such a file tests the loader's blocks and slices, not the model's numerics.
     """
     import gguf
     import numpy as np
 
     if quant == gguf.GGMLQuantizationType.Q4_K:
         return quantize_q4_k(values)
+    if quant == gguf.GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(values)
     try:
         return gguf.quants.quantize(values, quant)
     except NotImplementedError:
@@ -300,6 +303,37 @@ def quantize_q4_k(values: Any) -> Any:
     nibbles = (q[..., 0, :] | q[..., 1, :] << 4).reshape(*sub.shape[:2], 128)
     blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
                              packed_scales, nibbles], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def quantize_q6_k(values: Any) -> Any:
+    """float32 ``(rows, cols)`` (cols a multiple of 256) as Q6_K blocks, by a plain
+    max-abs rounding per 16-element sub-block.
+
+    Block (210 bytes): 128 bytes ``ql`` (low 4 bits), 64 bytes ``qh`` (high 2
+    bits), 16 int8 sub-block scales ``sc``, f16 ``d``; x = d·sc·(q − 32), q in
+    0..63.  Each half of 128 elements holds four runs of 32 (``j``): run j's
+    element l sits in the low (j = 0, 1) or high (j = 2, 3) nibble of
+    ``ql[64·half + 32·(j % 2) + l]`` and in bits ``2j, 2j+1`` of ``qh[32·half + l]``.
+    """
+    import numpy as np
+
+    rows = values.shape[0]
+    sub = values.astype(np.float32).reshape(rows, -1, 16, 16)  # (rows, super-blocks, 16, 16)
+    spread = np.abs(sub).max(-1) / 31
+    d = (spread.max(-1) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[..., None] > 0, np.round(spread / d[..., None].astype(np.float32)), 0)
+        sc = np.clip(sc, 0, 127).astype(np.int8)
+        scale = d[..., None].astype(np.float32) * sc
+        q = np.where(scale[..., None] > 0, np.round(sub / scale[..., None]), 0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(*sub.shape[:2], 2, 4, 32)
+    ql = np.concatenate([q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
+                         q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], axis=-1)
+    qh = (q[..., 0, :] >> 4 | (q[..., 1, :] >> 4) << 2 | (q[..., 2, :] >> 4) << 4
+          | (q[..., 3, :] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(*sub.shape[:2], 128), qh.reshape(*sub.shape[:2], 64),
+                             sc.view(np.uint8), d[..., None].view(np.uint8)], axis=-1)
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 

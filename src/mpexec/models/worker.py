@@ -70,7 +70,13 @@ from mpexec.models.llama import LlamaStage, load_stage
 from mpexec.models.ngram import SpeculativeConfig
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
 from mpexec.models.quantization import check_quantization
-from mpexec.models.sampler import SampleRequest, logprob_rows, sample, unpack_bitmask
+from mpexec.models.sampler import (
+    SampleRequest,
+    argmax_suffices,
+    logprob_rows,
+    sample,
+    unpack_bitmask,
+)
 from mpexec.models.sharding import pipeline_layers, rank_share
 from mpexec.models.step import PreparedStep, PromptLogprobsRows, RequestTable
 from mpexec.outputs import (
@@ -328,8 +334,10 @@ class ModelWorker(WorkerBase):
 
     def _run_stage(self, token_ids: list[int], positions: list[int],
                    layout: list[ScheduledRequest], sample_rows: list[int],
-                   cache: KVCache) -> torch.Tensor | None:
-        """This stage's forward; the logits of ``sample_rows`` on the last stage."""
+                   cache: KVCache, argmax_only: bool = False) -> torch.Tensor | None:
+        """This stage's forward; the logits of ``sample_rows`` on the last stage
+        (``argmax_only``: exact where they decide each row's argmax, see
+        ``ParallelLMHead``)."""
         stage = self._require_stage()
         device = self.device
         batch: AttentionBatch | DcpBatch | PcpBatch
@@ -369,7 +377,7 @@ class ModelWorker(WorkerBase):
             return None
         if split is None:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
-            return stage.compute_logits(hidden, residual, rows)
+            return stage.compute_logits(hidden, residual, rows, argmax_only)
         # each PCP rank computes the logits of the sampled rows it holds; all
         # of them, gathered in row order, go to every rank's sampler
         mine = torch.tensor([r - lo for r in sample_rows if lo <= r < hi], dtype=torch.int64,
@@ -379,7 +387,7 @@ class ModelWorker(WorkerBase):
         if not any(counts):
             return torch.empty((0, vocab), dtype=torch.float32, device=device)
         # a rank without sampled rows (its TP peers have none either) skips the head
-        logits = (stage.compute_logits(hidden, residual, mine) if len(mine)
+        logits = (stage.compute_logits(hidden, residual, mine, argmax_only) if len(mine)
                   else torch.empty((0, vocab), dtype=torch.float32, device=device))
         return gather_rows(logits, self.pcp_group, counts)
 
@@ -431,7 +439,8 @@ class ModelWorker(WorkerBase):
             prompt_rows = [row for p in step.prompt_logprobs for row in p.rows]
             if not prompt_rows:
                 logits = self._run_stage(step.token_ids, step.positions, step.layout,
-                                         step.sample_rows, self.cache)
+                                         step.sample_rows, self.cache,
+                                         argmax_suffices(step.sample_requests))
             else:
                 logits, prompt_logits = self._run_with_prompt_rows(step, prompt_rows)
         if connector is not None:

@@ -8,7 +8,7 @@ summed by the TP all-reduce, and the bias (held whole by every rank) is
 added once, after the sum.  Several column-parallel weights that read the
 same input (q/k/v, gate/up) are stored concatenated so that one matmul
 replaces three or two.  A weight is a float tensor or a packed one
-(``quantized.Int4Weight`` / ``Int8Weight``); ``quantized.matmul`` applies either.
+(``quantized.Int4Weight``, ``Int8GroupWeight``, …); ``quantized.matmul`` applies either.
 """
 
 from __future__ import annotations

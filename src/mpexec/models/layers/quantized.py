@@ -4,21 +4,21 @@
                  and a zero z:  w = s·(q − 8) + z            (q in 0..15)
                  aten._convert_weight_to_int4pack_for_cpu (at load)
                  aten._weight_int4pack_mm_for_cpu          (per step)
-    Int8GroupWeight  8-bit values in groups of 32 (Q8_0), as two Int4Weights:
-                 q = 16·h + l, so  s·q + m = (16s·h + m) + (s·l)  — two int4
+    Int8GroupWeight  5- to 8-bit values in groups of 32 (Q8_0, Q5_0), as two
+                 Int4Weights: q = 2ᵏ·h + l, h the top 4 bits — two int4
                  matmuls, summed in float32
-    Int8Weight   int8 values, one scale per output row:  w = s·q
-                 aten._weight_int8pack_mm; an embedding lookup gathers rows
     GroupRows    groups of 32 unpacked (uint8 q, scale, minimum): embedding rows
+    PaddedColumns  a grouped weight whose input starts or ends inside a group
 
 GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) map onto ``Int4Weight`` exactly — a
 group's ``x = scale·q + minimum`` is ``scale·(q − 8) + (minimum + 8·scale)``
-— and Q8_0 onto ``Int8GroupWeight``, up to the kernel's bfloat16 scales.
-Every other quantised type is re-quantised to ``Int8Weight`` from its float
-values (per-row scale ``max|w| / 127``), which costs more accuracy: the
-int8 kernel has no per-group scales, and Q8_0 as two int4 matmuls measured
-faster than the int8 kernel anyway (49152 × 576 at batch 1: 2 × ~2 ms
-against ~6 ms).
+— and Q8_0, Q5_0 and Q5_1 onto ``Int8GroupWeight``, up to the kernel's
+bfloat16 scales.  Types without groups of 32 are re-quantised to Q8_0-like
+groups first (``quantization.requantise``).  The int8 kernel
+(``_weight_int8pack_mm``, one scale per output row) is not used: on a
+tiny Q6_K model a scale per row moved logits by up to 0.37 where groups
+move them by 0.27, and on 18 layers' 4096 × 640 weights read from memory
+it was slower than two int4 matmuls (11.8 ms against 10.9).
 
 Both kernels take bfloat16 activations (on this AVX-512 BF16 CPU the float32
 and float16 paths are 10-30× slower than a float32 matmul: a reference loop).
@@ -99,72 +99,59 @@ class Int4Weight:
 
     def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
         rows, count = _kernel_input(x, self.in_features, split)
+        out = _kernel_output(self.mm(rows), count)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel on bfloat16 ``rows`` ``[n, in]``: bfloat16 ``[n, out]``."""
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP,
                                                          self.scale_zeros)
-        if out.shape[-1] != self.out_features:
-            out = out[:, :self.out_features]
-        out = _kernel_output(out, count)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-
-class Int8Weight:
-    def __init__(self, weight: torch.Tensor) -> None:
-        """Quantise float ``weight`` (out, in) to int8 with one scale per row."""
-        weight = weight.float()
-        self.out_features, self.in_features = weight.shape
-        amax = weight.abs().amax(dim=1) if weight.numel() else weight.new_zeros(len(weight))
-        # the scale the kernel will use (bfloat16) is the one the values are rounded to
-        scale = (amax / 127).clamp_min(torch.finfo(torch.float32).tiny).to(_KERNEL_DTYPE)
-        self.scale = scale
-        self.row_scale = scale.float()
-        self.q = torch.round(weight / self.row_scale[:, None]).clamp(-127, 127) \
-            .to(torch.int8)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
-
-    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features, split)
-        out = _kernel_output(torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale), count)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` as ``dtype`` (an embedding lookup)."""
-        return (self.q[ids].to(torch.float32) * self.row_scale[ids].unsqueeze(-1)).to(dtype)
+        return out if out.shape[-1] == self.out_features else out[:, :self.out_features]
 
 
 class Int8GroupWeight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         """``q`` (out, in) in 0..255, per group of 32: x = scale·q + minimum.
 
-        The kernel adds each group's zero ``minimum + 8·scale`` in bfloat16, so
-        each group is split the way that keeps its zeros small (zeros that
-        cancel would cost ~2⁻⁹ of them per element):
+        Each group is cut at its own bit ``k`` (``low_bits``): the smallest that
+        leaves 4 bits above it (k = 4 for 8-bit groups, 1 for 5-bit ones, 0 for
+        4-bit ones).  With ``c = (2ᵏ − 1) / 2`` the mean of the low bits::
 
-            plain    high (h, 16s, m)          low (l, s, 0)   zeros m + 128s, 8s
-            shifted  high (h + 8, 16s, −128s)  low (l, s, m)   zeros 0, m + 8s
-                     (only where every h <= 7: 5-bit and 4-bit groups)
+            high  (q >> k,      2ᵏ·s, m + c·s)     4 bits: the bulk of the value
+            low   (q & (2ᵏ−1),  s,    −c·s)        centred: |low| <= c·s
 
-        Q8_0 (m = −128·d) takes the plain split, Q5_0 (m = −16·d) the shifted one."""
+        The low part is at most 1/31 of the group's range, so its product
+        with ``x``'s bfloat16 remainder (``_kernel_input``) is below the
+        kernels' own output rounding: ``low`` takes only ``x``'s high row (one
+        row where ``high`` takes two).  Both zeros stay small (zeros that
+        cancel would cost ~2⁻⁹ of them per element): Q8_0 (m = −128·d, k = 4)
+        gives 7.5s and s/2, Q5_0 (m = −16·d, k = 1) s/2 and 7.5s.  Centred, the
+        high part alone is an unbiased estimate of the product, off by
+        ``Σ s·(low − c)·x`` (an LM head's candidate pass)."""
         self.out_features, self.in_features = q.shape
-        rows = q.shape[0]
-        high, low = q >> 4, q & 15
-        small_high = high.view(rows, -1, GROUP).amax(-1) <= 7
-        shifted = small_high & ((minimum + 8 * scale).abs() < (minimum + 128 * scale).abs())
-        spread = shifted.repeat_interleave(GROUP, dim=1)
-        self.high = Int4Weight(high + 8 * spread.to(high.dtype), 16 * scale,
-                               torch.where(shifted, -128 * scale, minimum))
-        self.low = Int4Weight(low, scale, torch.where(shifted, minimum,
-                                                      torch.zeros_like(minimum)))
+        self.low_bits = _low_bits(q)  # k per group: uint8 [out, in / 32]
+        k = self.low_bits.repeat_interleave(GROUP, dim=1)
+        mean = (2.0 ** self.low_bits - 1) / 2
+        self.high = Int4Weight(q >> k, 2.0 ** self.low_bits * scale, minimum + mean * scale)
+        self.low = Int4Weight(q & ((1 << k) - 1), scale, -mean * scale)
 
     @property
     def nbytes(self) -> int:
         return self.high.nbytes + self.low.nbytes
 
     def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
-        wide = x.float()
-        return (self.high(wide, split) + self.low(wide, split)).to(x.dtype)
+        rows, count = _kernel_input(x, self.in_features, split)
+        out = _kernel_output(self.high.mm(rows), count) + self.low.mm(rows[:count]).float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def _low_bits(q: torch.Tensor) -> torch.Tensor:
+    """Per group of 32 of ``q`` (0..255): how many low bits lie below its top 4."""
+    top = q.view(q.shape[0], -1, GROUP).amax(-1).to(torch.int32)
+    bits = torch.zeros_like(top, dtype=torch.uint8)
+    for k in range(1, 5):
+        bits[top >= 1 << (k + 3)] = k
+    return bits
 
 
 class GroupRows:
@@ -183,11 +170,39 @@ class GroupRows:
         values = q * self.scale[ids].unsqueeze(-1) + self.minimum[ids].unsqueeze(-1)
         return values.flatten(-2).to(dtype)
 
+    def dot(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """float32 ``row · x`` of rows ``ids`` (1-D) and one float32 vector ``x``:
+        per group ``scale·(q·x) + minimum·Σx`` (one batched matmul over the
+        groups, ~2.7 µs a row on 640 columns, most of it fetching the row)."""
+        groups = x.view(-1, GROUP)  # [groups, 32]
+        q = self.q[ids].to(torch.float32).view(len(ids), -1, GROUP).transpose(0, 1)
+        dots = torch.bmm(q, groups.unsqueeze(-1)).squeeze(-1).t()  # [ids, groups]
+        return (dots * self.scale[ids] + self.minimum[ids] * groups.sum(-1)).sum(-1)
 
-PackedWeight = Int4Weight | Int8GroupWeight | Int8Weight
-Weight = torch.Tensor | Int4Weight | Int8GroupWeight | Int8Weight
-Rows = torch.Tensor | GroupRows | Int8Weight
-PackedRows = GroupRows | Int8Weight  # rows readable one by one from packed storage
+
+class PaddedColumns:
+    """A grouped weight over whole groups of columns, of which the input covers
+    only ``[before, in − after)``: the input is padded with zeros to the
+    groups (a tensor-parallel slice whose columns do not fall on group edges;
+    zero inputs make the columns outside the slice contribute exactly 0)."""
+
+    def __init__(self, weight: Int4Weight | Int8GroupWeight, before: int, after: int) -> None:
+        self.weight = weight
+        self.before, self.after = before, after
+        self.out_features = weight.out_features
+        self.in_features = weight.in_features - before - after
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
+        return self.weight(torch.nn.functional.pad(x, (self.before, self.after)), split)
+
+
+PackedWeight = Int4Weight | Int8GroupWeight | PaddedColumns
+Weight = torch.Tensor | Int4Weight | Int8GroupWeight | PaddedColumns
+Rows = torch.Tensor | GroupRows
 
 
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
