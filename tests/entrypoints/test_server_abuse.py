@@ -147,8 +147,8 @@ def test_fits_the_context_is_still_served(server: ServerProcess) -> None:
     a prompt of many characters per token."""
     limit = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     reply = httpx.post(f"{server.url}{CMPL}", timeout=120, json={
-        "prompt": "hi", "max_tokens": limit, "ignore_eos": True, "stop": [f"s{i}" for i in range(10_000)],
-        "logit_bias": {"5": 100}})
+        "prompt": "hi", "max_tokens": limit, "ignore_eos": True,
+        "stop": [f"s{i}" for i in range(10_000)], "logit_bias": {"5": 100}})
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     reply = httpx.post(f"{server.url}{CMPL}", timeout=120,
