@@ -94,7 +94,7 @@ class Server:
                      request_id: str) -> list[RequestStream]:
         """One stream per prompt and choice, all checked first; index = prompt * n + choice."""
         if not isinstance(n, int) or n < 1 or n > MAX_N:
-            raise ApiError(f"n: must be an integer in [1, {MAX_N}]; got {n!r}")
+            raise ApiError(f"n: must be an integer >= 1 and <= {MAX_N}; got {n!r}")
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(f"the request asks for {len(prompts)} prompts x n={n} choices; "
                            f"this server takes at most {MAX_CHOICES} in one request")
