@@ -8,6 +8,11 @@ step of every other request in the batch)::
     prompt ──> prepare_prompt ──> (text, token ids)      ValueError / TypeError
     params ──> check_params   ──> SamplingParams         TypeError
 
+A text prompt far longer than the context is refused from a prefix of it
+(``encode_within``): the tokenizer holds the GIL while it runs, so a 20 MB
+prompt tokenized in full would stall an asyncio server's event loop for tens
+of seconds before the length check refused it.
+
 ``RequestError`` is a ``ValueError``: callers that already treat a
 ``ValueError`` as the user's mistake (the command line's exit status 2, the
 server's 400) keep doing so.
@@ -88,7 +93,7 @@ def prepare_prompt(prompt: object, encode: Callable[[str], list[int]],
         except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from JSON's "\ud800"
             raise RequestError(f"{where}the prompt is not valid Unicode (character "
                                f"{exc.start}: {prompt[exc.start]!r})") from None
-        text, ids = prompt, encode(prompt)
+        text, ids = prompt, encode_within(encode, prompt, max_model_len, where)
     elif isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids = check_token_ids(prompt["prompt_token_ids"], vocab_size, index)
@@ -112,6 +117,30 @@ def prepare_prompt(prompt: object, encode: Callable[[str], list[int]],
             f"{where}the prompt has {len(ids)} tokens; the context holds {max_model_len} "
             "(max_model_len), prompt and output together")
     return text, ids
+
+
+# A text longer than max_model_len * PREFIX_CHARS_PER_TOKEN characters is
+# measured first by that prefix; it is refused when the prefix alone holds
+# PREFIX_MARGIN_TOKENS more tokens than the context (the margin covers a
+# word cut in two at the prefix's end, which may tokenize longer than whole).
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_MARGIN_TOKENS = 16
+
+
+def encode_within(encode: Callable[[str], list[int]], text: str, max_model_len: int | None,
+                  where: str = "") -> list[int]:
+    """``encode(text)``; a text whose prefix alone overfills the context is refused
+    without tokenizing the rest (the cost stays bounded by ``max_model_len``)."""
+    if max_model_len is not None:
+        cut = max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) > cut:
+            head = len(encode(text[:cut]))
+            if head >= max_model_len + PREFIX_MARGIN_TOKENS:
+                raise RequestError(
+                    f"{where}the prompt has {len(text)} characters, and its first {cut} alone "
+                    f"are {head} tokens; the context holds {max_model_len} (max_model_len), "
+                    "prompt and output together")
+    return encode(text)
 
 
 def check_int(name: str, value: Any, minimum: int | None = None,

@@ -14,9 +14,14 @@ GET  /health               200, or 503 once the engine has failed
 GET  /metrics              Prometheus text (see ``metrics``)
 =========================  ================================================================
 
-A request is checked in full before anything is queued: malformed JSON, an
-unknown model, a prompt longer than the context or a bad sampling value is a
-400 in the OpenAI error shape, and the server serves on.  With an API key,
+A request is checked in full before anything is queued: malformed (or too
+deeply nested) JSON, an unknown model, text that is not valid Unicode (a lone
+surrogate), a prompt longer than the context, ``max_tokens`` above the
+whole context, ``n`` above ``MAX_N`` or more
+than ``MAX_CHOICES`` choices in all, or a bad sampling value is a 400 in the
+OpenAI error shape, and the server serves on.  A text far longer than the
+context is refused from a prefix of it (``encode_within``), so that a 20 MB
+prompt does not hold the event loop while the tokenizer runs.  With an API key,
 every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
 KEY`` (401 otherwise).  An engine failure ends every open request with a
 500 (an ``error`` event in a stream that has started).  A client that
@@ -43,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from mpexec.engine.async_llm import AsyncLLM, RequestStream
 from mpexec.engine.engine import EngineDeadError
 from mpexec.engine.outputs import RequestOutput
-from mpexec.engine.validation import check_token_ids
+from mpexec.engine.validation import check_token_ids, encode_within
 from mpexec.entrypoints.metrics import ServerMetrics, observe_tokens
 from mpexec.entrypoints.protocol import (
     ApiError,
@@ -61,6 +66,8 @@ from mpexec.outputs import SamplingParams
 
 OPEN_PATHS = ("/health", "/metrics")
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for its client
+MAX_N = 128  # choices per prompt (OpenAI's own bound)
+MAX_CHOICES = 2048  # prompts x n in one request: each is a request in the engine
 
 
 class Server:
@@ -86,8 +93,11 @@ class Server:
     def open_streams(self, prompts: Sequence[Any], params: SamplingParams, n: int,
                      request_id: str) -> list[RequestStream]:
         """One stream per prompt and choice, all checked first; index = prompt * n + choice."""
-        if not isinstance(n, int) or n < 1:
-            raise ApiError(f"n: must be an integer >= 1; got {n!r}")
+        if not isinstance(n, int) or n < 1 or n > MAX_N:
+            raise ApiError(f"n: must be an integer >= 1 and <= {MAX_N}; got {n!r}")
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(f"the request asks for {len(prompts)} prompts x n={n} choices; "
+                           f"this server takes at most {MAX_CHOICES} in one request")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -120,6 +130,38 @@ class Server:
                 "top_logprobs": [dict(r[2]) if r[2] else None for r in rows],
                 "text_offset": []}
 
+    def max_tokens(self, given: int | None) -> int | None:
+        """``max_tokens`` as given; a 400 when it exceeds the whole context (like OpenAI's)."""
+        limit = self.engine.max_model_len
+        if isinstance(given, int) and limit is not None and given > limit:
+            raise ApiError(f"max_tokens: {given} is more than the context holds "
+                           f"({limit} tokens, max_model_len, prompt and output together)")
+        return given
+
+    def chat_ids(self, messages: Any, add_generation_prompt: bool) -> list[int]:
+        """The token ids of a conversation through the chat template; a 400 if it fails.
+
+        A tokenizer that renders the template to text (``chat_prompt``, as
+        mpexec's own does) has the text checked for Unicode and encoded by
+        ``encode_within``; any other is asked for the ids directly."""
+        tokenizer: Any = self.engine.tokenizer
+        render = getattr(tokenizer, "chat_prompt", None)
+        try:
+            if render is None:
+                return list(tokenizer.apply_chat_template(
+                    chat_messages(messages), add_generation_prompt=add_generation_prompt))
+            text = render(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+        except ApiError:
+            raise
+        except Exception as exc:  # the template raised (a role it does not know, say)
+            raise ApiError(f"messages: the chat template failed: {exc}") from None
+        _check_unicode(text, "messages")
+        try:
+            return encode_within(lambda t: list(tokenizer.encode(t, add_special_tokens=False)),
+                                 text, self.engine.max_model_len)
+        except ValueError as exc:  # far longer than the context
+            raise ApiError(str(exc)) from None
+
     def _token_text(self, token_id: int) -> str:
         return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -147,6 +189,14 @@ def _as_api_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def _check_unicode(text: str, field: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, from JSON's "\ud800"
+        raise ApiError(f"{field}: not valid Unicode (character {exc.start}: "
+                       f"{text[exc.start]!r})") from None
+
+
 def _engine_error(exc: BaseException) -> ApiError:
     first = str(exc).splitlines()[0] if str(exc) else ""
     return ApiError(f"the engine failed: {type(exc).__name__}: {first}", 500,
@@ -159,6 +209,8 @@ async def _body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(f"malformed JSON in the request body: {exc}") from None
+    except RecursionError:
+        raise ApiError("the request body's JSON is nested too deeply") from None
 
 
 def _sse(data: Any) -> str:
@@ -262,9 +314,9 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
         body = parse(TokenizeRequest, await _body(request))
         server.model_name(body.model)
         if body.messages is not None:
-            ids = engine.tokenizer.apply_chat_template(
-                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
+            ids = server.chat_ids(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
+            _check_unicode(body.prompt, "prompt")
             ids = engine.tokenizer.encode(body.prompt)
         else:
             raise ApiError("give 'prompt' or 'messages'")
@@ -286,8 +338,9 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
         name = server.model_name(body.model)
         if body.echo or body.suffix:
             raise ApiError("echo and suffix are not supported by this server")
-        params = sampling_params(body, body.max_tokens if body.max_tokens is not None
-                                 else 16, body.logprobs)
+        max_tokens = server.max_tokens(body.max_tokens)
+        params = sampling_params(body, max_tokens if max_tokens is not None else 16,
+                                 body.logprobs)
         prompts = completion_prompts(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = server.open_streams(prompts, params, body.n, request_id)
@@ -297,14 +350,8 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatRequest, await _body(request))
         name = server.model_name(body.model)
-        try:
-            ids = engine.tokenizer.apply_chat_template(
-                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
-        except ApiError:
-            raise
-        except Exception as exc:  # the template raised (a role it does not know, say)
-            raise ApiError(f"messages: the chat template failed: {exc}") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        ids = server.chat_ids(body.messages, body.add_generation_prompt)
+        max_tokens = server.max_tokens(body.max_completion_tokens or body.max_tokens)
         if max_tokens is None:  # OpenAI's default: as much as the context holds
             max_tokens = max(1, engine.max_model_len - len(ids))
         logprobs: int | bool | None = None
