@@ -83,6 +83,19 @@ def test_a_model_len_beyond_the_checkpoint_fails_before_any_worker(tiny_checkpoi
         LLM(str(not_a_model))
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"tensor_parallel_size": 1000}, r"tensor_parallel_size \(1000\) exceeds"),
+    ({"pipeline_parallel_size": 1000}, r"pipeline_parallel_size \(1000\) exceeds num_hidden"),
+])
+def test_a_layout_larger_than_the_model_fails_before_any_worker(
+        tiny_checkpoint: Path, layout: dict[str, int], message: str, leak_check: None) -> None:
+    """A hostile TP of 1000 once forked workers until the machine was swamped:
+    the driver now checks the shares against the checkpoint before any start."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_checkpoint), executor_backend="mp", **layout)
+
+
 # -- the workers refuse one request ------------------------------------------------------
 
 def test_a_request_the_workers_refuse_fails_alone() -> None:

@@ -34,7 +34,7 @@ def recorded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(Executor, "get_class", staticmethod(_record))
     monkeypatch.setattr(startup, "_resolve", lambda model: str(model))
     # no checkpoint behind the path: the context-length check reads none
-    monkeypatch.setattr(startup, "_check_model_len", lambda path, max_model_len: 101)
+    monkeypatch.setattr(startup, "_check_model", lambda path, max_model_len, tp, pp: 101)
 
     def build(**kwargs: Any) -> ExecutorConfig:
         with pytest.raises(_Recorded) as info:

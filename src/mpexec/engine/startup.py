@@ -266,7 +266,8 @@ def _plan(args: EngineArgs) -> _Plan:
         path = _resolve(args.model)
         # Before any worker starts: a path that is no model, or a context
         # longer than the model's, fails here in one line.
-        vocab_size = _check_model_len(path, args.max_model_len)
+        vocab_size = _check_model(path, args.max_model_len, args.tensor_parallel_size,
+                                  args.pipeline_parallel_size)
         if args.enable_expert_parallel:
             _check_experts(path, args.tensor_parallel_size * dp)
         if num_threads is None and device_type == "cpu":
@@ -367,13 +368,25 @@ def _check_arguments(**values: Any) -> None:
                   (0 if name == "seed" else 1), optional=name == "max_model_len")
 
 
-def _check_model_len(path: Any, max_model_len: int | None) -> int:
-    """The model's vocabulary size; a ValueError when ``max_model_len`` exceeds its context."""
+def _check_model(path: Any, max_model_len: int | None, tp: int, pp: int) -> int:
+    """The model's vocabulary size, after the checks each worker would make on
+    its share, made once here before any worker starts: a ``max_model_len``
+    above the model's context, a TP size above its attention heads (or MLP
+    rows, or vocabulary) or a PP size above its layers is one ValueError, not
+    a fleet of workers that each fail (at a TP of 1000, a machine swamped by
+    processes)."""
     config, _ = _open_model(path, with_tokenizer=False)
     limit = int(config.max_position_embeddings)
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{limit} (max_position_embeddings of {path})")
+    sharding = importlib.import_module("mpexec.models.sharding")
+    sharding.pipeline_layers(int(config.num_hidden_layers), pp, None)
+    sharding.rank_share(num_heads=int(config.num_attention_heads),
+                        num_kv_heads=int(config.num_key_value_heads),
+                        intermediate_size=int(config.intermediate_size),
+                        vocab_size=int(config.vocab_size), layers=(0, 1),
+                        tp_rank=0, tp_size=tp)
     return int(config.vocab_size)
 
 
