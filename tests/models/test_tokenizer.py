@@ -11,7 +11,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from mpexec.models.loader import open_checkpoint
-from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+from mpexec.models.testing import write_tiny_checkpoint
+from mpexec.models.testing_gguf import write_tiny_gguf
 from mpexec.models.tokenizer import IncrementalDecoder, Tokenizer
 
 FRAGMENTS = [
@@ -214,7 +215,7 @@ SPM_EXTRA = ["<0x41>", "▁hello", "hello▁", "tab\there", " x", "  x", "x  ", 
 def write_spm_gguf(path: Path, arch: str, **flags: bool) -> Path:
     import gguf
 
-    from mpexec.models.testing import add_spm_tokenizer
+    from mpexec.models.testing_gguf import add_spm_tokenizer
 
     writer = gguf.GGUFWriter(str(path), arch)
     add_spm_tokenizer(writer, 389, space_tokens=arch.startswith("gemma"), **flags)
