@@ -48,6 +48,7 @@ from mpexec.config import (
     ExecutorConfig,
     ParallelConfig,
     SchedulerConfig,
+    config_object,
     distributed_backend_for,
 )
 from mpexec.engine.dp import DataParallelEngine
@@ -471,18 +472,10 @@ def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: i
     """``kv_transfer_config`` (a dict or its JSON) completed with what the engine knows."""
     if raw is None:
         return None
-    if isinstance(raw, str):
-        import json
-
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("kv_transfer_config must be a JSON object")
     from mpexec.models.kv_connector import KVTransferConfig
 
-    return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
+    return KVTransferConfig.from_dict(config_object(raw, "kv_transfer_config"),
+                                      namespace=namespace, block_size=block_size,
                                       world_size=world_size).to_dict()
 
 
