@@ -180,9 +180,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                     for rank in ranks:
                         config = plan.replica_configs[rank]
                         # shutdown() does not wait for a start that waits for a node
-                        # (cancel goes to start(), through Executor's metaclass)
-                        executor = Executor.get_class(config)(
-                            config, cancel=cancel)  # type: ignore[call-arg]
+                        executor = Executor.get_class(config)(config, cancel=cancel)
                         started.append(executor)
                     if plan.lockstep:
                         _join_replicas(started, args.master_addr)
