@@ -59,6 +59,23 @@ def distributed_backend_for(device_type: str, requested: str = "auto") -> str:
     return requested
 
 
+def config_object(raw: dict[str, Any] | str, name: str) -> dict[str, Any]:
+    """An option given as a dict or as its JSON text (a command-line flag),
+    as the dict; ValueError naming the option ``name`` when the text is not
+    JSON or not a JSON object."""
+    value: Any = raw
+    if isinstance(raw, str):
+        import json
+
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object; got {value!r}")
+    return value
+
+
 def _require_positive(owner: object, *names: str) -> None:
     for name in names:
         _require_int(name, getattr(owner, name), 1)

@@ -19,11 +19,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine.peer_producer import kill_when_stalled, wait_for_file
 from tests.engine.test_disagg_prefill import PROMPTS, params
 from tests.engine.test_e2e_model import make_llm
 
@@ -415,11 +417,7 @@ def producer_process(tiny_checkpoint: Path, tmp_path: Path,
     ready = tmp_path / "ready"
     process = start_producer(tiny_checkpoint, config, ready)
     try:
-        deadline = time.monotonic() + 100
-        while not ready.exists():
-            assert process.poll() is None, "the producer exited before it was ready"
-            assert time.monotonic() < deadline, "the producer was not ready within 100 s"
-            time.sleep(0.1)
+        wait_for_file(process, ready, timeout_s=100, what="the producer", poll_s=0.1)
         yield process, port, tmp_path
     finally:
         if process.poll() is None:
@@ -466,22 +464,17 @@ def test_producer_killed_mid_transfer(tiny_checkpoint: Path, colocated: list[lis
     process, port, marker_dir = producer_process
     stalled = marker_dir / "stalled"
 
-    def kill_when_stalled() -> None:
-        deadline = time.monotonic() + 60
-        while not stalled.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_when_stalled, daemon=True)
     with make_llm(tiny_checkpoint, "mp", 2, block_size=4,
                   kv_transfer_config=peer("kv_consumer", port, transport,
-                                          timeout_s=1.0)) as consumer:
+                                          timeout_s=1.0)) as consumer, \
+            ThreadPoolExecutor(1) as pool:  # kill_when_stalled's own waits bound its exit
         free = consumer.engine.scheduler.blocks.num_free_blocks
-        killer.start()
+        killer = pool.submit(kill_when_stalled, process, stalled, timeout_s=60,
+                             what="the producer")
         started = time.monotonic()
         out = consumer.generate(PROMPTS, params())
         elapsed = time.monotonic() - started
-        killer.join(timeout=70)
+        killer.result(timeout=90)
         connector: Any = consumer.engine.scheduler.connector
         assert [o.token_ids for o in out] == colocated
         assert process.wait(timeout=10) == -signal.SIGKILL
@@ -515,20 +508,7 @@ def test_consumer_killed_mid_transfer(tiny_checkpoint: Path, tmp_path: Path,
         saved, free = produced.num_saved_blocks, producer.engine.scheduler.blocks.num_free_blocks
         process = start_producer(tiny_checkpoint, peer("kv_consumer", port, "zmq",
                                                        timeout_s=30.0), tmp_path / "done")
-        try:
-            deadline = time.monotonic() + 100
-            while not stalled.exists():
-                assert process.poll() is None, "the consumer exited before it asked"
-                assert time.monotonic() < deadline, "the consumer did not ask within 100 s"
-                time.sleep(0.02)
-            process.send_signal(signal.SIGKILL)
-            assert process.wait(timeout=10) == -signal.SIGKILL
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-            assert process.stdin is not None
-            process.stdin.close()
+        kill_when_stalled(process, stalled, what="the consumer")
         with make_llm(tiny_checkpoint, block_size=4,
                       kv_transfer_config=peer("kv_consumer", port, "zmq",
                                               timeout_s=30.0)) as consumer:

@@ -14,12 +14,12 @@ mapping or /dev/shm entry is left.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine.peer_producer import kill_when_stalled
 from tests.engine.test_disagg_peer import (
     SECRET,
     free_ports,
@@ -128,20 +128,7 @@ def test_consumer_sigkilled_mid_load_over_shared_memory(tiny_checkpoint: Path, t
         saved, free = produced.num_saved_blocks, producer.engine.scheduler.blocks.num_free_blocks
         process = start_producer(tiny_checkpoint, peer("kv_consumer", port, "shm",
                                                        timeout_s=30.0), tmp_path / "done")
-        try:
-            deadline = time.monotonic() + 100
-            while not stalled.exists():
-                assert process.poll() is None, "the consumer exited before it asked"
-                assert time.monotonic() < deadline, "the consumer did not ask within 100 s"
-                time.sleep(0.02)
-            process.send_signal(signal.SIGKILL)
-            assert process.wait(timeout=10) == -signal.SIGKILL
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-            assert process.stdin is not None
-            process.stdin.close()
+        kill_when_stalled(process, stalled, what="the consumer")
         with make_llm(tiny_checkpoint, "mp", 2, block_size=4,
                       kv_transfer_config=peer("kv_consumer", port, "shm",
                                               timeout_s=30.0)) as consumer:

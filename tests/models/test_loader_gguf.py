@@ -13,7 +13,8 @@ gguf = pytest.importorskip("gguf")
 from mpexec.models.config import CheckpointError  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
 from mpexec.models.loader.quants import dequantize, encoding_of  # noqa: E402
-from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf  # noqa: E402
+from mpexec.models.testing import write_tiny_checkpoint  # noqa: E402
+from mpexec.models.testing_gguf import write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.torch
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
@@ -41,7 +42,7 @@ def test_the_k_quants_and_iq_types_are_supported() -> None:
 def _blocks(kind: object, rows: int, blocks_per_row: int) -> np.ndarray:
     """``rows`` rows of ``blocks_per_row`` blocks: quantised data where gguf can
     quantise the type, random bytes with small finite float16 scales where not."""
-    from mpexec.models.testing import _quantize
+    from mpexec.models.testing_gguf import _quantize
 
     elements, _ = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(7)

@@ -4,7 +4,7 @@ Each family is written by transformers at test time (``save_random_family``:
 7 layers, 9 query / 3 KV heads, odd sizes so TP=2 splits unevenly; Gemma
 with a sliding window of 6 tokens, so a 23-token prompt crosses it), then run
 by mpexec from the safetensors directory and from a GGUF file written the way
-llama.cpp's converter writes that family (``testing.write_family_gguf``),
+llama.cpp's converter writes that family (``testing_gguf.write_family_gguf``),
 at TP=1 and TP=2: prefill logits, chunked prefill plus decode, and greedy
 tokens equal transformers' ``generate``.  Tolerances as in
 test_model_layers (float32, 1e-4 absolute).
@@ -112,7 +112,7 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     and TP=2.  GGUF has no query_pre_attn_scalar (llama.cpp scales Gemma by
     1/sqrt(head_dim)) and Gemma 3's local rope base is 10,000: the checkpoints
     here are made to agree."""
-    from mpexec.models.testing import write_family_gguf
+    from mpexec.models.testing_gguf import write_family_gguf
 
     agree: dict[str, dict[str, Any]] = {
         "gemma2": {"query_pre_attn_scalar": 16},
@@ -180,7 +180,8 @@ def test_llama3_rope_freqs_tensor_in_gguf_matches_transformers(tmp_path: Path) -
     """Llama 3.1+ GGUFs carry the rope scaling as a ``rope_freqs`` tensor (one
     factor per frequency); the model divides by it, and matches transformers on
     the safetensors checkpoint with ``rope_type: llama3``."""
-    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

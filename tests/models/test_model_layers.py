@@ -203,7 +203,8 @@ def test_a_decoupled_head_dim_matches_transformers_on_hf_gguf_and_tp2(tmp_path: 
     o_proj 144 columns.  (transformers wants hidden_size divisible by the heads even
     then; the loader does not, test_loader_config checks that.)"""
     pytest.importorskip("gguf")
-    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     directory = write_tiny_checkpoint(tmp_path / "hf", hidden_size=96, num_attention_heads=6,
                                       num_key_value_heads=2, head_dim=24, num_hidden_layers=2,

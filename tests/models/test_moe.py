@@ -130,7 +130,7 @@ def gguf_case(request: Any, tmp_path: Path) -> dict[str, Any]:
     does; transformers' model of it (loaded before the test's leak check: its
     progress bar keeps a semaphore)."""
     pytest.importorskip("gguf")
-    from mpexec.models.testing import write_moe_gguf
+    from mpexec.models.testing_gguf import write_moe_gguf
 
     kind = request.param
     hf_dir = save_random_moe(tmp_path / kind, kind, mlp_only_layers=[])

@@ -51,7 +51,7 @@ def _one_thread() -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"])
 def test_groups_of_are_exactly_the_dequantised_values(qtype: str) -> None:
-    from mpexec.models.testing import _quantize
+    from mpexec.models.testing_gguf import _quantize
 
     kind = gguf.GGMLQuantizationType[qtype]
     values = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
@@ -137,7 +137,8 @@ def test_padded_columns_multiply_like_the_slice() -> None:
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One tiny Llama (rows of 256: whole Q4_K super-blocks) per quantisation type."""
-    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     base = tmp_path_factory.mktemp("packed")
     directory = write_tiny_checkpoint(base / "hf", hidden_size=256, num_attention_heads=4,
@@ -230,7 +231,8 @@ def test_a_requantised_model_follows_the_dequantised_one(tiny_ggufs: dict[str, P
 def uneven_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """1024 MLP rows, which TP=3 splits 342/341/341: down_proj's column slices
     start at 342 and 683, inside a group of 32 and a super-block of 256."""
-    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     base = tmp_path_factory.mktemp("uneven")
     directory = write_tiny_checkpoint(base / "hf", hidden_size=256, num_attention_heads=4,

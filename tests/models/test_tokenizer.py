@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from mpexec.models.loader import open_checkpoint
-from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+from mpexec.models.loader import checkpoint_tokenizer, open_checkpoint
+from mpexec.models.testing import write_tiny_checkpoint
+from mpexec.models.testing_gguf import write_tiny_gguf
 from mpexec.models.tokenizer import IncrementalDecoder, Tokenizer
 
 FRAGMENTS = [
@@ -90,6 +91,22 @@ def test_bos_follows_the_post_processor_like_transformers(tmp_path: Path) -> Non
     oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
     mine = Tokenizer.from_hf_dir(directory)
     assert mine.encode("hello there") == oracle.encode("hello there")
+
+
+def test_checkpoint_tokenizer_from_a_config_read_before(tmp_path: Path) -> None:
+    """The tokenizer alone, given the config: the same as the checkpoint's own."""
+    pytest.importorskip("gguf")
+    directory = write_tiny_checkpoint(tmp_path / "t", hidden_size=288, intermediate_size=224,
+                                      num_hidden_layers=1)
+    gguf_path = write_tiny_gguf(tmp_path / "t.gguf", directory)
+    texts = sample_strings(50, seed=2)
+    for path in (directory, gguf_path):
+        with open_checkpoint(path) as checkpoint:
+            config, whole = checkpoint.config, checkpoint.tokenizer()
+        alone = checkpoint_tokenizer(path, config)
+        assert [alone.encode(t) for t in texts] == [whole.encode(t) for t in texts]
+        assert alone.eos_token_ids == whole.eos_token_ids
+        assert alone.apply_chat_template(MESSAGES[0]) == whole.apply_chat_template(MESSAGES[0])
 
 
 def test_gguf_tokenizer_equals_the_directory_it_came_from(tmp_path: Path) -> None:
@@ -214,7 +231,7 @@ SPM_EXTRA = ["<0x41>", "▁hello", "hello▁", "tab\there", " x", "  x", "x  ", 
 def write_spm_gguf(path: Path, arch: str, **flags: bool) -> Path:
     import gguf
 
-    from mpexec.models.testing import add_spm_tokenizer
+    from mpexec.models.testing_gguf import add_spm_tokenizer
 
     writer = gguf.GGUFWriter(str(path), arch)
     add_spm_tokenizer(writer, 389, space_tokens=arch.startswith("gemma"), **flags)

@@ -42,7 +42,8 @@ def _one_thread() -> None:
 
 @pytest.fixture(scope="module")
 def packed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mpexec.models.testing import write_tiny_checkpoint, write_tiny_gguf
+    from mpexec.models.testing import write_tiny_checkpoint
+    from mpexec.models.testing_gguf import write_tiny_gguf
 
     base = tmp_path_factory.mktemp("verify")
     directory = write_tiny_checkpoint(base / "hf", hidden_size=256, num_attention_heads=4,

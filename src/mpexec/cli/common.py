@@ -114,7 +114,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                       "per step, verified in one forward pass (default: off)")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help='speculative decoding, vLLM\'s fields, e.g. \'{"method": "ngram", '
-                      '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                      '"num_speculative_tokens": 4, "prompt_lookup_max": 5, '
                       '"prompt_lookup_min": 2}\'')
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the workers run (auto: CUDA when visible, else CPU)")

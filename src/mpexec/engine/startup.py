@@ -6,15 +6,16 @@
       │                                                                  vocab_size)
       │ _plan: every check before any process starts (numbers, device, layout
       │   against the node's devices, quantization, speculative and KV-transfer
-      │   settings; the model's path, context length and experts), then one
-      │   ExecutorConfig per data parallel replica
+      │   settings; the model's path, context length and experts, from its
+      │   config, read here once), then one ExecutorConfig per data parallel
+      │   replica
       │ one executor per replica (the workers start first: the driver has no
       │   threads yet, so they can be forked); then every replica's workers
       │   join one world (join_data_parallel), so the DP group spans them:
       │   always with experts across the replicas (which then step in
       │   lockstep), for dense replicas unless replica_restart (_shares_world)
-      │ open_checkpoint(path): config (EOS ids, context length) and tokenizer,
-      │   in the driver
+      │ checkpoint_tokenizer(path, config): the tokenizer, in the driver; the
+      │   EOS ids and context length from the config _plan read
       ▼
     Engine(executor, limits, eos) per replica -> KV cache sized; one replica
     without replica_restart: that Engine, else a DataParallelEngine over them
@@ -42,12 +43,13 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mpexec.config import (
     ExecutorConfig,
     ParallelConfig,
     SchedulerConfig,
+    config_object,
     distributed_backend_for,
 )
 from mpexec.engine.dp import DataParallelEngine
@@ -57,6 +59,9 @@ from mpexec.engine.validation import check_int
 from mpexec.executor import Executor
 from mpexec.models.ngram import SpeculativeConfig
 from mpexec.system.procs import usable_cpus
+
+if TYPE_CHECKING:
+    from mpexec.models.config import ModelConfig
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
 logger = logging.getLogger(__name__)
@@ -144,6 +149,7 @@ class _Plan:
     join: bool  # the replicas' workers join one world (the DP group spans them)
     lockstep: bool  # experts across replicas: the replicas step together
     path: Any  # the checkpoint (the model worker only)
+    model_config: ModelConfig | None  # read once, by _check_model (the model worker only)
     connector: dict[str, Any] | None  # the completed kv_transfer_config
     speculative: SpeculativeConfig | None
     vocab_size: int | None
@@ -174,9 +180,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                     for rank in ranks:
                         config = plan.replica_configs[rank]
                         # shutdown() does not wait for a start that waits for a node
-                        # (cancel goes to start(), through Executor's metaclass)
-                        executor = Executor.get_class(config)(
-                            config, cancel=cancel)  # type: ignore[call-arg]
+                        executor = Executor.get_class(config)(config, cancel=cancel)
                         started.append(executor)
                     if plan.lockstep:
                         _join_replicas(started, args.master_addr)
@@ -260,16 +264,18 @@ def _plan(args: EngineArgs) -> _Plan:
         # every worker's finished transfers, merged: not only the output rank's reply
         executor_fields["aggregate_kv_outputs"] = True
     path = None
+    model_config: ModelConfig | None = None
     vocab_size: int | None = getattr(args.tokenizer, "vocab_size", None)
     num_threads = args.num_threads
     if is_model_worker:
         path = _resolve(args.model)
         # Before any worker starts: a path that is no model, or a context
         # longer than the model's, fails here in one line.
-        vocab_size = _check_model(path, args.max_model_len, args.tensor_parallel_size,
-                                  args.pipeline_parallel_size)
+        model_config = _check_model(path, args.max_model_len, args.tensor_parallel_size,
+                                    args.pipeline_parallel_size)
+        vocab_size = int(model_config.vocab_size)
         if args.enable_expert_parallel:
-            _check_experts(path, args.tensor_parallel_size * dp)
+            _check_experts(model_config, path, args.tensor_parallel_size * dp)
         if num_threads is None and device_type == "cpu":
             num_threads = max(1, cpus // world)
         # Follower nodes open the checkpoint at the same path; a named model
@@ -299,13 +305,15 @@ def _plan(args: EngineArgs) -> _Plan:
         executor_backend=args.executor_backend, device_type=device_type, **executor_fields)
     return _Plan(replica_configs=[_replica_config(config, p) for p in replica_parallel],
                  join=parallel.joins_replica_world, lockstep=ep_across, path=path,
-                 connector=connector, speculative=speculative, vocab_size=vocab_size)
+                 model_config=model_config, connector=connector, speculative=speculative,
+                 vocab_size=vocab_size)
 
 
 def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...],
                                                     SchedulerLimits]:
     """The tokenizer, the EOS ids and the scheduler's limits.  Called after the
-    workers started: opening the checkpoint starts the tokenizer library's threads."""
+    workers started: loading the tokenizer starts the tokenizer library's threads.
+    The model's config is the one :func:`_plan` read; only the tokenizer is read here."""
     tokenizer = args.tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = _load_tokenizer(tokenizer)
@@ -313,7 +321,10 @@ def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...
     eos_token_ids = args.eos_token_ids
     model_max_len = args.max_model_len
     if args.is_model_worker:
-        config, loaded = _open_model(plan.path)
+        config = plan.model_config
+        assert config is not None
+        loaded = importlib.import_module("mpexec.models.loader").checkpoint_tokenizer(
+            plan.path, config)
         tokenizer = tokenizer or loaded
         if eos_token_ids is None:
             eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *loaded.eos_token_ids]))
@@ -368,13 +379,13 @@ def _check_arguments(**values: Any) -> None:
                   (0 if name == "seed" else 1), optional=name == "max_model_len")
 
 
-def _check_model(path: Any, max_model_len: int | None, tp: int, pp: int) -> int:
-    """The model's vocabulary size, after the checks each worker would make on
-    its share, made once here before any worker starts: a ``max_model_len``
-    above the model's context, a TP size above its attention heads (or MLP
-    rows, or vocabulary) or a PP size above its layers is one ValueError, not
-    a fleet of workers that each fail (at a TP of 1000, a machine swamped by
-    processes)."""
+def _check_model(path: Any, max_model_len: int | None, tp: int, pp: int) -> ModelConfig:
+    """The model's config, read from ``path`` once for the whole start-up,
+    after the checks each worker would make on its share, made once here
+    before any worker starts: a ``max_model_len`` above the model's context, a
+    TP size above its attention heads (or MLP rows, or vocabulary) or a PP
+    size above its layers is one ValueError, not a fleet of workers that each
+    fail (at a TP of 1000, a machine swamped by processes)."""
     config, _ = _open_model(path, with_tokenizer=False)
     limit = int(config.max_position_embeddings)
     if max_model_len is not None and max_model_len > limit:
@@ -387,7 +398,7 @@ def _check_model(path: Any, max_model_len: int | None, tp: int, pp: int) -> int:
                         intermediate_size=int(config.intermediate_size),
                         vocab_size=int(config.vocab_size), layers=(0, 1),
                         tp_rank=0, tp_size=tp)
-    return int(config.vocab_size)
+    return config
 
 
 def _check_devices(workers: int, device_type: str, is_model_worker: bool) -> None:
@@ -437,11 +448,9 @@ def _join_replicas(executors: list[Executor], host: str) -> None:
         port.close()
 
 
-def _check_experts(path: Any, ep_size: int) -> None:
+def _check_experts(config: ModelConfig, path: Any, ep_size: int) -> None:
     """enable_expert_parallel: the checkpoint has experts, at least one per EP rank."""
-    loader = importlib.import_module("mpexec.models.loader")
-    with loader.open_checkpoint(path) as checkpoint:
-        moe = getattr(checkpoint.config, "moe", None)
+    moe = getattr(config, "moe", None)
     if moe is None:
         raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {path} "
                          "is dense")
@@ -471,18 +480,10 @@ def _kv_transfer(raw: dict[str, Any] | str | None, namespace: str, block_size: i
     """``kv_transfer_config`` (a dict or its JSON) completed with what the engine knows."""
     if raw is None:
         return None
-    if isinstance(raw, str):
-        import json
-
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("kv_transfer_config must be a JSON object")
     from mpexec.models.kv_connector import KVTransferConfig
 
-    return KVTransferConfig.from_dict(raw, namespace=namespace, block_size=block_size,
+    return KVTransferConfig.from_dict(config_object(raw, "kv_transfer_config"),
+                                      namespace=namespace, block_size=block_size,
                                       world_size=world_size).to_dict()
 
 

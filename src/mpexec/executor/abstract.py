@@ -48,13 +48,11 @@ class _StartedOnConstruction(ABCMeta):
     """``SomeExecutor(config)`` constructs the executor, then calls its
     ``start()``: each ``__init__`` in the class chain stores its config and
     sets its attributes in the usual order, and no worker exists before all
-    of them have run.  ``SomeExecutor(config, cancel=event)`` hands ``event``
-    to ``start`` (the constructor never sees it)."""
+    of them have run."""
 
-    def __call__(cls, *args: Any, cancel: threading.Event | None = None,
-                 **kwargs: Any) -> Any:
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         executor = super().__call__(*args, **kwargs)
-        executor.start(cancel=cancel)
+        executor.start()
         return executor
 
 
@@ -97,7 +95,10 @@ class Executor(metaclass=_StartedOnConstruction):
             raise TypeError(f"executor_backend {backend!r} is not an Executor subclass")
         return cls
 
-    def __init__(self, config: ExecutorConfig) -> None:
+    def __init__(self, config: ExecutorConfig, *, cancel: threading.Event | None = None
+                 ) -> None:
+        """``cancel``: an event another thread may set to end the start while it
+        still waits (see :meth:`start`); a subclass passes it on."""
         if config.parallel.pipeline_parallel_size > 1 and not self.supports_pp:
             raise ValueError(
                 f"{type(self).__qualname__} does not support pipeline parallelism "
@@ -117,25 +118,26 @@ class Executor(metaclass=_StartedOnConstruction):
         self.call_stats = CallStats()
         self._started = False
         # Set from another thread: the start gives up (see start()).
-        self.start_cancel: threading.Event | None = None
+        self.start_cancel = cancel
 
-    def start(self, cancel: threading.Event | None = None) -> None:
+    def start(self) -> None:
         """Start the workers and wait until they are ready; raise (having cleaned
         up) if they cannot start.  ``SomeExecutor(config)`` calls it once every
         ``__init__`` of the class has run; calling it again does nothing.
 
-        ``cancel``: an event another thread may set to end a start that is
-        still waiting (for follower nodes to join, for workers to report
-        READY, for the queue handshake); the start then cleans up and raises
-        ``WorkerStartupError``.  The ``mp`` backend checks it before it starts
-        anything and then at least every 50 ms while it waits for nodes and
-        workers (every 1.5 s in the handshake); the other backends, whose
-        start waits for no node, do not look at it.
+        ``SomeExecutor(config, cancel=event)``: once another thread sets
+        ``event``, a start that is still waiting (for follower nodes to join,
+        for the Ray placement group, for workers to report READY, for the
+        queue handshake) cleans up and raises ``WorkerStartupError``.  The
+        ``mp`` and ``ray`` backends check it before they start anything and
+        then at least every 50 ms while they wait for nodes, the placement
+        group and workers (every 1.5 s in the handshake); the ``uni``
+        backend's start (one worker, in this thread) waits for nothing and
+        does not look at it.
         """
         if self._started:
             return
         self._started = True
-        self.start_cancel = cancel
         self._init_executor()
 
     def raise_if_start_cancelled(self) -> None:

@@ -77,8 +77,9 @@ class Driver(Executor):
 
     supports_pp = True
 
-    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None, *,
+                 cancel: threading.Event | None = None) -> None:
+        super().__init__(config, cancel=cancel)
         self.monitor_workers = config.monitor_workers if monitor_workers is None \
             else monitor_workers
         self.world_size = config.parallel.world_size

@@ -25,6 +25,7 @@ handshake within its 1.5 s slice.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -50,8 +51,9 @@ from mpexec.system import get_mp_context, maybe_force_spawn
 class MultiprocExecutor(Driver):
     """One worker process per local rank; see the module docstring."""
 
-    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
-        super().__init__(config, monitor_workers)
+    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None, *,
+                 cancel: threading.Event | None = None) -> None:
+        super().__init__(config, monitor_workers, cancel=cancel)
         # Several nodes: the leader's node channel and one handle per follower.
         self.cluster: NodeServer | None = None
         self._remote_handles: dict[int, RemoteNodeHandle] = {}

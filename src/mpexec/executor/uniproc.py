@@ -40,8 +40,9 @@ class UniProcExecutor(Executor):
 
     supports_pp = False
 
-    def __init__(self, config: ExecutorConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ExecutorConfig, *, cancel: threading.Event | None = None
+                 ) -> None:
+        super().__init__(config, cancel=cancel)  # its start waits for nothing to cancel
         self.driver_worker = WorkerWrapperBase(rpc_rank=0, global_rank=0)
         self.shared_worker_lock: Any = None
         # Held while the worker runs a call: one call at a time, in order.

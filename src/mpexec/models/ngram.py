@@ -22,10 +22,11 @@ steps with drafts got cheaper.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+
+from mpexec.config import config_object
 
 
 def propose(tokens: Sequence[int], *, num_draft: int = 3, max_n: int = 3,
@@ -96,13 +97,7 @@ class SpeculativeConfig:
         """From a dict or its JSON; unknown keys are refused by name.  Given
         only one of the n-gram bounds, the other takes its value when the
         default would contradict it."""
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"speculative_config must be a JSON object; got {raw!r}")
+        raw = config_object(raw, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

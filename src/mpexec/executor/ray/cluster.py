@@ -16,7 +16,9 @@
                                  be satisfied later (resources in use) must be
                                  ready within the timeout, or is removed;
                                  either way WorkerStartupError names what is
-                                 missing
+                                 missing; ``tick`` (the start's cancel
+                                 check) runs every ``tick_s`` of the wait,
+                                 and the group is removed if it raises
     actor_runtime_env(...)       the driver's own code directories (sys.path
                                  entries outside site-packages and the
                                  standard library that a Ray worker would not
@@ -40,7 +42,8 @@ import site
 import sys
 import sysconfig
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpexec.errors import WorkerStartupError
@@ -190,7 +193,8 @@ def bundles_for(world_size: int, device_type: str) -> list[dict[str, float]]:
 
 
 def place_workers(session: RaySession, bundles: list[dict[str, float]], strategy: str,
-                  timeout_s: float) -> Any:
+                  timeout_s: float, tick: Callable[[], None] = lambda: None,
+                  tick_s: float = 0.05) -> Any:
     """A ready placement group for ``bundles``, or WorkerStartupError (see above)."""
     ray = session.ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -201,13 +205,32 @@ def place_workers(session: RaySession, bundles: list[dict[str, float]], strategy
             f"the placement group of {len(bundles)} worker(s) ({strategy}) can never be "
             f"placed on this Ray cluster: {impossible}")
     group = placement_group(bundles, strategy=strategy)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if ready:
+    try:
+        placed = _wait_placed(ray, group, timeout_s, tick, tick_s)
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    if placed:
         return group
     remove_placement_group(group)
     raise WorkerStartupError(
         f"the placement group of {len(bundles)} worker(s) ({strategy}) could not be placed "
         f"within {timeout_s:g}s (ray_placement_timeout_s): {missing_resources(ray, bundles)}")
+
+
+def _wait_placed(ray: Any, group: Any, timeout_s: float, tick: Callable[[], None],
+                 tick_s: float) -> bool:
+    """Whether ``group`` is placed within ``timeout_s``; ``tick()`` (which may
+    raise) between slices of ``tick_s``."""
+    ready = group.ready()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if ray.wait([ready], timeout=max(0.0, min(remaining, tick_s)))[0]:
+            return True
+        if remaining <= tick_s:
+            return False
+        tick()
 
 
 def _totals(bundles: list[dict[str, float]]) -> dict[str, float]:

@@ -48,6 +48,11 @@ shutdown (bounded by ``shutdown_grace_s``), then the lifecycle's teardown
 (``ray.kill`` every actor: ``terminate``, never a pipe closing), the
 launcher's watches stop, the placement group is removed, and Ray is
 stopped if this executor started it.
+
+``RayExecutor(config, cancel=event)``: each wait of the start (the
+placement group, the actors' ``start()``, the queue handshake) looks at
+``event`` every 50 ms (1.5 s in the handshake); once it is set the start
+raises ``WorkerStartupError`` and the same teardown ends what it started.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -81,6 +87,8 @@ from mpexec.executor.spec import PortReservation, worker_contexts
 from mpexec.executor.stall import StallWatch
 
 logger = logging.getLogger(__name__)
+# How often a start-up wait looks at the start's cancel event.
+_TICK_S = 0.05
 
 
 class RayExecutor(Driver):
@@ -92,8 +100,9 @@ class RayExecutor(Driver):
     # The "ray" call path's reply reader (``_reply_reader``), else None.
     ray_replies: RayReplies | None = None
 
-    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None) -> None:
-        super().__init__(config, monitor_workers)
+    def __init__(self, config: ExecutorConfig, monitor_workers: bool | None = None, *,
+                 cancel: threading.Event | None = None) -> None:
+        super().__init__(config, monitor_workers, cancel=cancel)
         self.call_path = config.ray_call_path
         self.session: RaySession | None = None
         self.placement_group: Any = None
@@ -119,11 +128,13 @@ class RayExecutor(Driver):
                                       "leave nnodes at 1 (per data parallel rank)")
         if config.shared_worker_lock:
             raise ValueError("shared_worker_lock is not available with executor_backend 'ray'")
+        tick = self.raise_if_start_cancelled  # every wait below gives up when cancelled
+        tick()
         session = self.session = state.session = RaySession.open(config.ray_address)
         ray = session.ray
         group = self.placement_group = state.group = place_workers(
             session, bundles_for(self.world_size, config.device_type),
-            config.ray_placement_strategy, config.ray_placement_timeout_s)
+            config.ray_placement_strategy, config.ray_placement_timeout_s, tick, _TICK_S)
         life.port = PortReservation(self.parallel_config.master_addr,
                                     self.parallel_config.master_port)
         rank_nodes = bundle_nodes(ray, group, self.world_size)
@@ -148,7 +159,8 @@ class RayExecutor(Driver):
                 ctx, handle, None if plan is None else plan.for_rank(ctx.rank)))
             life.handles.append(handles[-1])
         reply_handles = _wait_started(ray, handles, deadline, config.startup_timeout_s,
-                                      runtime_env)
+                                      runtime_env, tick)
+        tick()
         if plan is None:
             assert self.ray_replies is not None
             self.ray_replies.attach(ray, handles)
@@ -170,8 +182,9 @@ class RayExecutor(Driver):
         # A remote reader cannot see its peer die: the death watch, already, can.
         launcher.watch_deaths()
         life.start_monitor()
+        # the handshake's ``lost``: nothing is lost, but a cancel raises
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
-                  explain_closed=partial(_death_in_handshake, life))
+                  lost=tick, explain_closed=partial(_death_in_handshake, life))
 
     # -- failure ------------------------------------------------------------------
 
@@ -212,17 +225,20 @@ def _death_in_handshake(life: Lifecycle, exc: QueueClosedError) -> WorkerStartup
 
 
 def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,
-                  timeout_s: float, runtime_env: dict[str, Any] | None = None) -> list[Any]:
-    """Each actor's ``start()``: its reply handle (None on the "ray" path), in rank order."""
+                  timeout_s: float, runtime_env: dict[str, Any] | None = None,
+                  tick: Callable[[], None] = lambda: None) -> list[Any]:
+    """Each actor's ``start()``: its reply handle (None on the "ray" path), in rank
+    order; ``tick()`` (which may raise: the start was cancelled) every ``_TICK_S``."""
     pending = {h.actor.start.remote(): h for h in handles}
     started: dict[int, Any] = {}
     while pending:
+        tick()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             late = ", ".join(str(h.rank) for h in pending.values())
             raise WorkerStartupError(f"worker rank(s) {late} did not report READY within "
                                      f"{timeout_s:g}s (startup_timeout_s)")
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, _TICK_S))
         for ref in done:
             h = pending.pop(ref)
             try:
