@@ -4,7 +4,8 @@ A tiny random Mixtral / Qwen2-MoE written by transformers, converted to GGUF
 the way llama.cpp does and its expert tensors (and Qwen2-MoE's shared expert)
 quantised; every other tensor stays float32, so what differs from the oracle
 is the packed experts alone.  The oracle: transformers loading the same
-file's values dequantised (``testing_quantized.dequantized_checkpoint``).
+file's values dequantised (``testing_quantized.dequantized_checkpoint``),
+at TP=1, TP=2 and EP=2; DP=2 x EP against one replica.
 
 Tolerance, as the dense packed tests (``test_quantized``): 2 % of the largest
 logit, and the same greedy tokens but where transformers' top two logits are
@@ -94,14 +95,15 @@ def test_expert_rows_multiply_each_row_by_its_experts_weight(kind: str,
 
 # ── tiny quantised MoE checkpoints ───────────────────────────────────────────
 
-def save_moe(directory: Path, kind: str) -> Path:
+def save_moe(directory: Path, kind: str, **overrides: Any) -> Path:
     torch.manual_seed(0)
+    shape = {**SHAPE, **overrides}
     if kind == "mixtral":
-        config = transformers.MixtralConfig(**SHAPE, intermediate_size=96, num_local_experts=5)
+        config = transformers.MixtralConfig(**shape, intermediate_size=96, num_local_experts=5)
         model = transformers.MixtralForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
-            **SHAPE, intermediate_size=128, moe_intermediate_size=96,
+            **shape, intermediate_size=128, moe_intermediate_size=96,
             shared_expert_intermediate_size=64, num_experts=5, norm_topk_prob=False,
             mlp_only_layers=[])
         model = transformers.Qwen2MoeForCausalLM(config)
@@ -221,3 +223,44 @@ def test_packed_experts_split_over_two_ranks_follow_transformers(
         runs = StepDriver(executor, fetch_logits=True, chunk=5).generate(
             {rid: (p, GREEDY) for rid, p in prompts().items()})
     check_against_transformers(runs, model)
+
+
+@pytest.fixture
+def gguf_with_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A Q8_0-experts Mixtral GGUF with the tiny checkpoint's vocabulary (for
+    LLM); written before the test's leak check (transformers' progress bar
+    keeps a semaphore)."""
+    import shutil
+
+    from mpexec.models.testing import write_moe_gguf
+    from mpexec.models.testing_quantized import quantize_gguf
+
+    hf_dir = save_moe(tmp_path / "mixtral", "mixtral", vocab_size=389)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint / name, hf_dir / name)
+    return quantize_gguf(write_moe_gguf(tmp_path / "f32.gguf", hf_dir), tmp_path / "q8.gguf",
+                         "Q8_0", select=lambda name: "_exps." in name, tokenizer=hf_dir)
+
+
+@pytest.mark.slow
+def test_packed_experts_split_across_two_replicas_match_one(gguf_with_tokenizer: Path,
+                                                            leak_check: None) -> None:
+    """DP=2 x TP=1 with EP (3 + 2 packed experts, the tokens dispatched
+    all-to-all, an idle replica in dummy steps) gives one replica's tokens:
+    each row goes through the same packed expert either way, computed alone."""
+    from mpexec.engine.llm import LLM
+
+    g = torch.Generator().manual_seed(8)
+    prompts_ = [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
+                for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True)
+              for i in range(5)]
+    results = []
+    for dp, ep in ((1, False), (2, True)):
+        with LLM(str(gguf_with_tokenizer), data_parallel_size=dp, enable_expert_parallel=ep,
+                 num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
+                 shutdown_grace_s=5.0, quantization="auto") as llm:
+            results.append([o.token_ids for o in llm.generate(prompts_, params)])
+            if ep:
+                assert llm.engine.lockstep and llm.engine.dummy_steps > 0
+    assert results[0] == results[1]
