@@ -22,9 +22,11 @@ on a CPU device) an expert whose slices the file stores in groups of 32
 (GGUF Q8_0, Q4_0, Q4_K …; other quantised types re-quantised to groups) is
 kept packed, like a dense MLP's linears: its gate and up rows as one packed
 weight, its down columns as another (``PaddedColumns`` when a TP column slice
-does not fall on group edges).  A projection packs only if every held
-expert's does; otherwise it is one float tensor, as without ``linear``.  The
-shared expert packs the same way; the routers stay float.
+does not fall on group edges).  A projection that does not pack (a float
+tensor, rows that are not whole blocks) is one stacked float tensor, as
+without ``linear``; every held expert of a projection comes from the same
+stacked file tensor, so they pack alike.  The shared expert packs the same
+way; the routers stay float.
 """
 
 from __future__ import annotations

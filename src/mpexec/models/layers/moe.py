@@ -93,13 +93,12 @@ class MoEBlock:
                  tp_group: ParallelGroup | None = None,
                  expert_bounds: list[int] | None = None, dispatch: str = "all_to_all") -> None:
         self.router = router      # [E, H], every expert
-        self.gate_up = gate_up    # [local experts, 2 * rows, H]
-        self.down = down          # [local experts, H, rows]
+        self.gate_up = gate_up    # [local experts, 2 * rows, H], or packed per expert
+        self.down = down          # [local experts, H, rows], or packed per expert
         # a float projection's matrices as the matmul takes them (views, no copy)
         self.gate_up_t = _transposed(gate_up)
         self.down_t = _transposed(down)
         self.rows = _out_features(gate_up) // 2  # gate's rows, then up's
-        self.hidden_size = _out_features(down)
         self.expert_start = expert_start
         self.num_local = len(gate_up)
         self.top_k = top_k

@@ -232,8 +232,10 @@ class ExpertRows:
         result    out[high rows] + out[low rows]             (one gather each)
                   (+ the int8 weights' low part, which takes the high rows only)
 
-    Each row is computed exactly as the expert's own weight would compute it
-    alone (``Int4Weight.__call__``, ``Int8GroupWeight.__call__``)."""
+    Each row comes out exactly as its expert's own weight computes it
+    (``Int4Weight.__call__``, ``Int8GroupWeight.__call__``) with ``split``
+    as the whole step's rows decide: split when all the experts' rows
+    together are ``SPLIT_ROWS`` or fewer."""
 
     def __init__(self, counts: list[int], device: torch.device) -> None:
         self.counts = counts
