@@ -304,7 +304,7 @@ def load_stage(checkpoint: CheckpointReader, config: Any, share: RankShare, *,
                 post_norm=norm(prefix + "post_attention_layernorm.weight"),
                 activation=features.activation, window=window, rope_index=rope_index,
                 moe=load_moe_block(read, moe, index, experts, tp_group, ep_group=ep_group,
-                                   dp_group=dp_group)))
+                                   dp_group=dp_group, linear=weights.linear)))
             continue
         mlp_prefix = prefix + "mlp."
         gate_up = weights.linear([(mlp_prefix + "gate_proj.weight", 0, *mlp_rows),

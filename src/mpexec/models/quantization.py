@@ -30,8 +30,10 @@ elements for the K-quants, and cut the columns after dequantising.)
 
 ``"none"`` dequantises everything to the model's dtype at load (the float
 path).  Packing happens only on a CPU device (the kernels are CPU ones) and
-touches the attention and MLP linears and the vocabulary rows; norms,
-biases and MoE experts stay float.  A rank packs only the slices it reads.
+touches the attention and MLP linears, the vocabulary rows and a
+mixture-of-experts block's experts (each held expert's gate/up and down as
+two linears, ``mpexec.models.moe``); norms, biases and the routers stay
+float.  A rank packs only the slices it reads.
 """
 
 from __future__ import annotations

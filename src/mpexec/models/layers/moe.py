@@ -51,6 +51,15 @@ node they cost the same (the expert matmuls dominate); all_to_all is the
 default wherever it applies because its traffic does not grow with the
 number of replicas (docs/models.md).  The shared expert runs on the replica's own
 tokens with its own TP all-reduce.
+
+Each projection of the held experts (gate/up, down) is either one float
+tensor ``[local experts, out, in]`` (``torch.mm`` per expert hit, into one
+buffer) or one packed weight per expert (``layers.quantized``: the file's
+groups of 32 kept as stored, ``quantization="auto"`` on a GGUF).  The packed
+experts take the sorted rows the same way, through the packed kernels: the
+rows are cut once into the kernels' bfloat16 ``[high; low]`` pairs, laid out
+expert by expert (``quantized.ExpertRows``), so that each expert hit is one
+kernel call on a contiguous block and its result one slice of the output.
 """
 
 from __future__ import annotations
@@ -59,34 +68,39 @@ import torch
 import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
+from mpexec.models.layers.quantized import ExpertRows, PackedWeight, Weight, matmul
+
+# one projection of the held experts: stacked float [experts, out, in], or packed per expert
+Experts = torch.Tensor | list[PackedWeight]
 
 
 class SharedExpert:
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> None:
+    def __init__(self, gate_up: Weight, down: Weight, gate: torch.Tensor) -> None:
         self.gate_up = gate_up  # [2 * rows, H], this rank's rows of gate then up
         self.down = down        # [H, rows]
         self.gate = gate        # [1, H], whole
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(hidden, self.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.down)
+        gate, up = matmul(hidden, self.gate_up).chunk(2, dim=-1)
+        out = matmul(F.silu(gate) * up, self.down)
         return torch.sigmoid(F.linear(hidden, self.gate)) * out
 
 
 class MoEBlock:
-    def __init__(self, *, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    def __init__(self, *, router: torch.Tensor, gate_up: Experts, down: Experts,
                  expert_start: int, top_k: int, renormalize: bool, group: ParallelGroup,
                  shared: SharedExpert | None = None, dp_group: ParallelGroup | None = None,
                  tp_group: ParallelGroup | None = None,
                  expert_bounds: list[int] | None = None, dispatch: str = "all_to_all") -> None:
         self.router = router      # [E, H], every expert
-        self.gate_up = gate_up    # [local experts, 2 * rows, H]
-        self.down = down          # [local experts, H, rows]
-        # each expert's matrices as the matmul takes them (views, no copy)
-        self.gate_up_t = [w.t() for w in gate_up.unbind(0)]
-        self.down_t = [w.t() for w in down.unbind(0)]
+        self.gate_up = gate_up    # [local experts, 2 * rows, H], or packed per expert
+        self.down = down          # [local experts, H, rows], or packed per expert
+        # a float projection's matrices as the matmul takes them (views, no copy)
+        self.gate_up_t = _transposed(gate_up)
+        self.down_t = _transposed(down)
+        self.rows = _out_features(gate_up) // 2  # gate's rows, then up's
         self.expert_start = expert_start
-        self.num_local = gate_up.shape[0]
+        self.num_local = len(gate_up)
         self.top_k = top_k
         self.renormalize = renormalize
         self.group = group
@@ -204,17 +218,34 @@ class MoEBlock:
 
     def _expert_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Unweighted expert outputs of rows sorted by local expert, ``counts[e]``
-        rows for expert ``e``: two matmuls per expert hit, into one buffer each,
-        and one activation over every row."""
-        gate_up = x.new_empty((x.shape[0], self.gate_up.shape[1]))
-        out = x.new_empty((x.shape[0], self.down.shape[1]))
-        hit = [expert for expert, count in enumerate(counts) if count]
-        xs, gate_ups = x.split_with_sizes(counts), gate_up.split_with_sizes(counts)
-        for expert in hit:
-            torch.mm(xs[expert], self.gate_up_t[expert], out=gate_ups[expert])
-        rows = self.gate_up.shape[1] // 2
-        act = F.silu(gate_up[:, :rows]).mul_(gate_up[:, rows:])
-        acts, outs = act.split_with_sizes(counts), out.split_with_sizes(counts)
-        for expert in hit:
-            torch.mm(acts[expert], self.down_t[expert], out=outs[expert])
-        return out
+        rows for expert ``e``: two matmuls per expert hit (float: into one
+        buffer each; packed: ``ExpertRows``), one activation over every row."""
+        packed = None
+        if self.gate_up_t is None or self.down_t is None:
+            packed = ExpertRows(counts, x.device)
+        gate_up = _project(x, self.gate_up, self.gate_up_t, counts, packed)
+        act = F.silu(gate_up[:, :self.rows]).mul_(gate_up[:, self.rows:])
+        return _project(act, self.down, self.down_t, counts, packed)
+
+
+def _transposed(weights: Experts) -> list[torch.Tensor] | None:
+    return [w.t() for w in weights.unbind(0)] if isinstance(weights, torch.Tensor) else None
+
+
+def _out_features(weights: Experts) -> int:
+    return int(weights.shape[1]) if isinstance(weights, torch.Tensor) \
+        else weights[0].out_features
+
+
+def _project(x: torch.Tensor, weights: Experts, transposed: list[torch.Tensor] | None,
+             counts: list[int], packed: ExpertRows | None) -> torch.Tensor:
+    """Rows ``x`` sorted by expert through their experts' weights (one projection)."""
+    if transposed is None:
+        assert packed is not None and not isinstance(weights, torch.Tensor)
+        return packed.matmul(x, weights)
+    out = x.new_empty((x.shape[0], transposed[0].shape[1]))
+    xs, outs = x.split_with_sizes(counts), out.split_with_sizes(counts)
+    for expert, count in enumerate(counts):
+        if count:
+            torch.mm(xs[expert], transposed[expert], out=outs[expert])
+    return out

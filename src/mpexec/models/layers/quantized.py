@@ -9,6 +9,8 @@
                  matmuls, summed in float32
     GroupRows    groups of 32 unpacked (uint8 q, scale, minimum): embedding rows
     PaddedColumns  a grouped weight whose input starts or ends inside a group
+    ExpertRows   rows sorted by expert through one packed weight per expert
+                 (a mixture-of-experts block's held experts)
 
 GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) map onto ``Int4Weight`` exactly — a
 group's ``x = scale·q + minimum`` is ``scale·(q − 8) + (minimum + 8·scale)``
@@ -41,6 +43,9 @@ padding trimmed from each result.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -211,3 +216,93 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return torch.nn.functional.linear(x, weight, bias)
     out = weight(x)
     return out if bias is None else out + bias
+
+
+class ExpertRows:
+    """Rows sorted by expert, ``counts[e]`` of them for expert ``e``, as the
+    packed kernels' input: built once per MoE layer, used by each projection
+    of the experts (gate/up, then down, on rows in the same order).
+
+    The rows are cut into the kernels' bfloat16 ``[high; low]`` once for all
+    experts and laid out expert by expert (one gather)::
+
+        rows      high(e0) low(e0) high(e1) low(e1) ...     (SPLIT_ROWS or fewer)
+                  bf16(x) as sorted                          (more: rounded once)
+        kernel    one call per expert hit on its contiguous block
+        result    out[high rows] + out[low rows]             (one gather each)
+                  (+ the int8 weights' low part, which takes the high rows only)
+
+    Each row comes out exactly as its expert's own weight computes it
+    (``Int4Weight.__call__``, ``Int8GroupWeight.__call__``) with ``split``
+    as the whole step's rows decide: split when all the experts' rows
+    together are ``SPLIT_ROWS`` or fewer."""
+
+    def __init__(self, counts: list[int], device: torch.device) -> None:
+        self.counts = counts
+        self.hit = [expert for expert, count in enumerate(counts) if count]
+        self.starts = list(accumulate([0, *counts]))
+        self.total = self.starts[-1]
+        self.split = self.total <= SPLIT_ROWS
+        self.order: torch.Tensor | None = None
+        self.high_at: torch.Tensor | None = None
+        self.low_at: torch.Tensor | None = None
+        if self.split and self.hit:
+            order: list[int] = []
+            high_at: list[int] = []
+            low_at: list[int] = []
+            for expert in self.hit:
+                start, count = self.starts[expert], counts[expert]
+                order += [*range(start, start + count),
+                          *range(self.total + start, self.total + start + count)]
+                high_at += range(2 * start, 2 * start + count)
+                low_at += range(2 * start + count, 2 * start + 2 * count)
+            self.order, self.high_at, self.low_at = (
+                torch.tensor(index, device=device) for index in (order, high_at, low_at))
+
+    def block(self, expert: int) -> tuple[int, int]:
+        """``[start, stop)`` of the expert's block in the kernel's rows."""
+        start, count = self.starts[expert], self.counts[expert]
+        return (2 * start, 2 * (start + count)) if self.split else (start, start + count)
+
+    def matmul(self, x: torch.Tensor, weights: Sequence[PackedWeight]) -> torch.Tensor:
+        """``x`` ``[total, in]`` (sorted by expert) times each row's expert's
+        weight: ``[total, out]`` in ``x``'s dtype.  The weights of one
+        projection share their padding (the same column slice of every expert)."""
+        first = weights[self.hit[0] if self.hit else 0]
+        if isinstance(first, PaddedColumns):
+            x = torch.nn.functional.pad(x, (first.before, first.after))
+        if not self.hit:
+            return x.new_empty((0, first.out_features))
+        flat = x.float()
+        if self.split:
+            assert self.order is not None
+            high = flat.to(_KERNEL_DTYPE)
+            rows = torch.cat((high, (flat - high.float()).to(_KERNEL_DTYPE))) \
+                .index_select(0, self.order)
+        else:
+            rows = flat.to(_KERNEL_DTYPE)
+        outs: list[torch.Tensor] = []
+        lows: list[torch.Tensor | None] = []  # the int8 weights' low parts, by expert
+        for expert in self.hit:
+            weight = weights[expert]
+            inner = weight.weight if isinstance(weight, PaddedColumns) else weight
+            start, stop = self.block(expert)
+            block = rows[start:stop]
+            if isinstance(inner, Int8GroupWeight):
+                outs.append(inner.high.mm(block))
+                lows.append(inner.low.mm(block[:self.counts[expert]]))
+            else:
+                outs.append(inner.mm(block))
+                lows.append(None)
+        out = torch.cat(outs)
+        if self.split:
+            assert self.high_at is not None and self.low_at is not None
+            result = out.index_select(0, self.high_at).float() \
+                + out.index_select(0, self.low_at).float()
+        else:
+            result = out.float()
+        if any(low is not None for low in lows):  # int4 experts among them add nothing
+            result += torch.cat([out.new_zeros((self.counts[expert], result.shape[1]))
+                                 if low is None else low
+                                 for expert, low in zip(self.hit, lows, strict=True)]).float()
+        return result.to(x.dtype)
