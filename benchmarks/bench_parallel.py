@@ -44,7 +44,7 @@ Prints three tables from one run::
    (``quantization=auto``: the experts' 192 MB become ~60 MB at Q8_0,
    ~30 MB at 4 bits), transformers the same file's values dequantised to
    float32 (written back into the safetensors checkpoint:
-   ``testing_quantized.dequantized_checkpoint``), as the dense SmolLM2 and
+   ``testing_gguf.dequantized_checkpoint``), as the dense SmolLM2 and
    Gemma figures compare a packed GGUF with transformers on its values;
 3. failover: DP=2 with ``replica_restart``; one replica's worker is SIGKILLed
    (dead), then in a second run SIGSTOPped (hung: the executor's stall watch
@@ -189,8 +189,7 @@ def moe_checkpoint(hf_dir: Path, fmt: str, directory: Path) -> tuple[Path, Path]
     same values dequantised back into safetensors."""
     if fmt == "safetensors":
         return hf_dir, hf_dir
-    from mpexec.models.testing import write_moe_gguf
-    from mpexec.models.testing_quantized import dequantized_checkpoint, quantize_gguf
+    from mpexec.models.testing_gguf import dequantized_checkpoint, quantize_gguf, write_moe_gguf
 
     qtype = fmt.removeprefix("gguf-").upper()
     plain = directory / "mixtral-f32.gguf"

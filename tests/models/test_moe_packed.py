@@ -4,7 +4,7 @@ A tiny random Mixtral / Qwen2-MoE written by transformers, converted to GGUF
 the way llama.cpp does and its expert tensors (and Qwen2-MoE's shared expert)
 quantised; every other tensor stays float32, so what differs from the oracle
 is the packed experts alone.  The oracle: transformers loading the same
-file's values dequantised (``testing_quantized.dequantized_checkpoint``),
+file's values dequantised (``testing_gguf.dequantized_checkpoint``),
 at TP=1, TP=2 and EP=2; DP=2 x EP against one replica.
 
 Tolerance, as the dense packed tests (``test_quantized``): 2 % of the largest
@@ -114,8 +114,7 @@ def save_moe(directory: Path, kind: str, **overrides: Any) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``(kind, qtype) -> (gguf path, transformers model of its values)``, built once."""
-    from mpexec.models.testing import write_moe_gguf
-    from mpexec.models.testing_quantized import dequantized_checkpoint, quantize_gguf
+    from mpexec.models.testing_gguf import dequantized_checkpoint, quantize_gguf, write_moe_gguf
 
     base = tmp_path_factory.mktemp("moe-packed")
     built: dict[tuple[str, str], tuple[Path, Any]] = {}
@@ -232,8 +231,7 @@ def gguf_with_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> Path:
     keeps a semaphore)."""
     import shutil
 
-    from mpexec.models.testing import write_moe_gguf
-    from mpexec.models.testing_quantized import quantize_gguf
+    from mpexec.models.testing_gguf import quantize_gguf, write_moe_gguf
 
     hf_dir = save_moe(tmp_path / "mixtral", "mixtral", vocab_size=389)
     for name in ("tokenizer.json", "tokenizer_config.json"):
