@@ -126,6 +126,19 @@ def test_dp_group_spans_a_rebuilt_replica(tiny_checkpoint: Path,
     assert any("generation 0 retired" in e for e in failover.events), failover.events
 
 
+def test_dp_groups_link_each_place_of_the_replicas(tiny_checkpoint: Path,
+                                                  undisturbed: list[list[int]]) -> None:
+    """DP=2 x TP=2: two DP groups (one per TP place) formed at once over one
+    store, each under its own prefix."""
+    with make_llm(tiny_checkpoint, data_parallel_size=2, tensor_parallel_size=2,
+                  replica_restart=True) as llm:
+        at = on_every_replica(llm, dp_world)
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert tokens == undisturbed
+    assert at == [[{"dp": (0, 2), "generation": 0, "sum": 3.0}] * 2,
+                  [{"dp": (1, 2), "generation": 0, "sum": 3.0}] * 2]
+
+
 @pytest.mark.parametrize("frozen", [0, 1], ids=["store-host", "member"])
 def test_replica_frozen_while_the_dp_group_forms_is_restarted(
         tiny_checkpoint: Path, undisturbed: list[list[int]], frozen: int) -> None:
