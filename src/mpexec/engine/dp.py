@@ -153,8 +153,10 @@ class DataParallelEngine:
         self.dp_group = dp_group
         self.dp_group_generation: int | None = None  # the generation that holds
         self._dp_next_generation = 0
-        self._dp_members: tuple[tuple[int, int], ...] = ()  # (rank, id(engine)) it spans
-        self._dp_tried: tuple[tuple[int, int], ...] = ()  # the members last tried
+        # the replicas the generation spans, and those last tried (the engines
+        # themselves, compared by identity: a rebuilt replica is a new engine)
+        self._dp_members: list[tuple[int, Engine]] = []
+        self._dp_tried: list[tuple[int, Engine]] = []
         if dp_group is not None:
             failures = self._form_dp_group(self._live())
             if failures:
@@ -445,9 +447,8 @@ class DataParallelEngine:
         """Between steps: retire the DP group on the survivors of a failure; form
         the next generation once every replica serves (module docstring)."""
         live = self._live()
-        members = tuple((rank, id(engine)) for rank, engine in live)
         if self.dp_group_generation is not None:
-            if members == self._dp_members:
+            if _same_members(live, self._dp_members):
                 return
             retired = self.dp_group_generation
             self.dp_group_generation = None
@@ -456,7 +457,7 @@ class DataParallelEngine:
                            f"{sorted(set(range(len(self.replicas))) - {r for r, _ in live})}"))
             self._note(f"DP group generation {retired} retired on DP rank(s) "
                        f"{[rank for rank, _ in live]}")
-        if len(live) < len(self.replicas) or members == self._dp_tried:
+        if len(live) < len(self.replicas) or _same_members(live, self._dp_tried):
             return
         failures = self._form_dp_group(live)
         died = [(rank, engine, [r for r in engine.scheduler.requests.values()
@@ -475,8 +476,7 @@ class DataParallelEngine:
         assert self.dp_group is not None
         generation = self._dp_next_generation
         self._dp_next_generation += 1
-        members = tuple((rank, id(engine)) for rank, engine in live)
-        self._dp_tried = members
+        self._dp_tried = list(live)
         port = PortReservation(self.dp_group.host, 0)
         try:
             failures = self._dp_call(live, "join_dp_group", (
@@ -491,7 +491,7 @@ class DataParallelEngine:
                                    for rank, exc in sorted(failures.items())))
             return failures
         self.dp_group_generation = generation
-        self._dp_members = members
+        self._dp_members = list(live)
         logger.info("DP group generation %d formed over DP ranks %s", generation, ranks)
         return {}
 
@@ -537,6 +537,12 @@ class _Schedulers:
 
 def _ranks(unit: tuple[int, ...]) -> str:
     return f"DP rank {unit[0]}" if len(unit) == 1 else f"DP ranks {list(unit)}"
+
+
+def _same_members(a: list[tuple[int, Engine]], b: list[tuple[int, Engine]]) -> bool:
+    """The same DP ranks held by the very same engines."""
+    return len(a) == len(b) and all(ra == rb and ea is eb
+                                    for (ra, ea), (rb, eb) in zip(a, b, strict=True))
 
 
 def _root_failure(errors: list[BaseException]) -> BaseException:
