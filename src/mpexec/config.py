@@ -157,6 +157,11 @@ class ParallelConfig:
     # the replicas.  Experts split across replicas always join (whatever this
     # says); dense replicas join unless a failed one is to be rebuilt alone.
     shared_dp_world: bool = False
+    # Set by the data parallel front end for dense replicas with
+    # replica_restart: each replica keeps a world of its own (so a failed one
+    # is rebuilt alone) and the DP group is a gloo group outside it, formed by
+    # generation when the driver calls ``join_dp_group`` (mpexec.models.dp_world).
+    detached_dp_group: bool = False
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -173,6 +178,7 @@ class ParallelConfig:
         _require_bool("enable_expert_parallel", self.enable_expert_parallel)
         _require_bool("remote_replica", self.remote_replica)
         _require_bool("shared_dp_world", self.shared_dp_world)
+        _require_bool("detached_dp_group", self.detached_dp_group)
         _require_str("master_addr", self.master_addr)
         _require_int("master_port", self.master_port, 0, 65535)
         _require_str("backend", self.backend)

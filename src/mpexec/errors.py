@@ -18,6 +18,11 @@ WorkerStalledError       a worker stopped answering (stopped by a signal, or its
 WorkerStartupError       a worker failed before it reported READY
 CollectiveFailedError    (inside a worker) a process group's collective failed,
                          most often because a peer of the group is gone
+DataParallelGroupError   (inside a worker) the data parallel group that lives
+                         outside the replica's world (``replica_restart``)
+                         failed, timed out or did not form
+StaleGroupError          (inside a worker) a collective on such a group whose
+                         generation was retired or replaced
 NodeVersionError         a follower node and its leader run different mpexec
                          versions (or node protocols); the follower is refused
 NodeLayoutError          a follower node's nnodes or node rank does not fit its
@@ -193,6 +198,33 @@ class CollectiveFailedError(PeerDeathSymptom, RuntimeError):
     with ``peer_death_symptom`` set and waits for the executor's verdict on
     the death behind it (see ``mpexec.executor.verdict``).
     """
+
+
+class DataParallelGroupError(MpexecError, RuntimeError):
+    """The data parallel group of a replica that keeps its own world failed.
+
+    With ``replica_restart`` each dense replica's TP and PP groups live in a
+    world of its own and the DP group is a separate gloo group, rebuilt by
+    generation whenever a replica is rebuilt (``mpexec.models.dp_world``).
+    Raised inside a worker when that group's collective fails or passes its
+    timeout (a peer replica died or froze) or when a new generation does not
+    form.  Not a :class:`PeerDeathSymptom`: the peer belongs to another
+    replica, whose own executor judges its health, so this replica's
+    executor stays usable.
+    """
+
+
+class StaleGroupError(DataParallelGroupError):
+    """A collective on a data parallel group generation that no longer holds.
+
+    The group was retired (a replica of it failed) or replaced by a newer
+    generation, or never formed: the message says which generation and why.
+    ``generation`` is the stale one (``-1``: none formed yet).
+    """
+
+    def __init__(self, message: str, *, generation: int) -> None:
+        super().__init__(message)
+        self.generation = generation
 
 
 class NodeVersionError(MpexecError, RuntimeError):

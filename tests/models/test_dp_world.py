@@ -96,23 +96,26 @@ def test_dp_groups_link_the_same_place_of_each_replica(
         [f"mpexec::Worker_DP1_{place}0", f"mpexec::Worker_DP1_{place}1"]]
 
 
-def _dp_group_or_none(wrapper: Any) -> Any:
+def _world_and_dp(wrapper: Any) -> tuple[bool, int, int]:
+    """Whether this worker is in a torch.distributed world, and its DP group's
+    size and generation."""
+    import torch.distributed as dist
+
     from mpexec import distributed
 
-    try:
-        dp = distributed.get_dp_group()
-    except RuntimeError:  # a replica of one rank builds no groups
-        return None
-    return dp.world_size
+    dp = distributed.get_dp_group()
+    total = dp.all_reduce(torch.ones(1))
+    return dist.is_initialized(), int(total.item()), dp.generation
 
 
 def test_with_replica_restart_each_dense_replica_keeps_its_own_world(
         tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A world each (a replica of one rank has none at all), and the DP group
+    outside them: generation 0 over both replicas."""
     with caplog.at_level("INFO", logger="mpexec.engine.startup"), \
             make_llm(tiny_checkpoint, data_parallel_size=2, replica_restart=True) as llm:
-        sizes = [e.executor.collective_rpc(_dp_group_or_none, timeout=60)
-                 for e in llm.engine.replicas]
-    assert sizes == [[None], [None]]
+        at = on_every_replica(llm, _world_and_dp)
+    assert at == [[(False, 2, 0)], [(False, 2, 0)]]
     assert any("keep a torch.distributed world each" in r.getMessage()
                for r in caplog.records)
 

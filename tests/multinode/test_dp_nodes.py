@@ -181,7 +181,11 @@ def test_follower_killed_with_replica_restart_loses_no_request_and_rejoins(
     """replica_restart: the lost node's requests finish on replica 0 with the
     undisturbed tokens; replica 1 cannot be restarted here (its workers were
     on the lost node), so its rebuild waits for a follower to join its port
-    again: a new ``mpexec node`` brings it back."""
+    again: a new ``mpexec node`` brings it back.  The DP group, outside each
+    replica's world, crosses the nodes at start (generation 0) and again,
+    over the new node's worker, once it serves (generation 1)."""
+    from tests.models.test_dp_group_restart import dp_world, on_every_replica
+
     port = free_port()
     followers = [start_node(port + 1, 1, 2, "follower-1")]
     try:
@@ -190,6 +194,7 @@ def test_follower_killed_with_replica_restart_loses_no_request_and_rejoins(
                       execute_model_timeout_s=60.0) as llm:
             params = greedy(24)
             want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            first = on_every_replica(llm, dp_world)
             hit: list[int] = []
 
             def progress(finished: int, total: int, tokens: int) -> None:
@@ -207,9 +212,12 @@ def test_follower_killed_with_replica_restart_loses_no_request_and_rejoins(
             assert_rejoins(llm)
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
             assert all(e is not None and e.stats.steps > 0 for e in llm.engine.replicas)
+            after = on_every_replica(llm, dp_world)
     finally:
         for proc in followers:
             reap(proc)
+    assert [[(a["generation"], a["sum"]) for a in replica] for replica in first + after] == \
+        [[(0, 3.0)], [(0, 3.0)], [(1, 3.0)], [(1, 3.0)]]
 
 
 @pytest.mark.torch

@@ -2,7 +2,8 @@
 
 Needs torch (the ``torch`` extra).  See ``parallel_state`` for a worker's
 life cycle, ``layout`` for which ranks form each group, ``group`` for the
-collectives and ``shm_collectives`` for the shared-memory path.
+collectives, ``shm_collectives`` for the shared-memory path and
+``detached`` for a group outside the world, rebuilt by generation.
 """
 
 try:
@@ -11,6 +12,7 @@ except ImportError as exc:  # pragma: no cover - the torch extra is missing
     raise ImportError("mpexec.distributed needs torch: pip install 'mpexec[torch]' "
                       "(or -e '.[torch]' in a checkout)") from exc
 
+from mpexec.distributed.detached import DetachedGroup
 from mpexec.distributed.group import GroupCoordinator
 from mpexec.distributed.liveness import PeerDiedInCollectiveError
 from mpexec.distributed.parallel_state import (
@@ -27,11 +29,13 @@ from mpexec.distributed.parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
     parallel_worker_name,
+    set_dp_group,
     setup_proc_title_and_log_prefix,
 )
 from mpexec.layout import ParallelLayout
 
 __all__ = [
+    "DetachedGroup",
     "GroupCoordinator",
     "ParallelLayout",
     "PeerDiedInCollectiveError",
@@ -48,5 +52,6 @@ __all__ = [
     "initialize_model_parallel",
     "model_parallel_is_initialized",
     "parallel_worker_name",
+    "set_dp_group",
     "setup_proc_title_and_log_prefix",
 ]

@@ -12,6 +12,11 @@ object, ``_state``.  A worker's life::
     get_tp_group().all_reduce(x) ...
     destroy_model_parallel(); destroy_distributed_environment()
 
+A data parallel group kept outside the world (``detached.DetachedGroup``,
+rebuilt by generation while the world carries on) is installed with
+:func:`set_dp_group`; ``get_dp_group()`` returns it from then on, world or
+no world, and ``destroy_model_parallel`` retires it.
+
 Both destroys are idempotent, and after them the process may initialise
 again (a new world, e.g. with a fresh init method).
 """
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpexec.distributed.detached import DetachedGroup
 from mpexec.distributed.group import DEFAULT_SHM_MAX_BYTES, GroupCoordinator
 from mpexec.layout import DIMENSIONS, ParallelLayout
 from mpexec.system import decorate_logs, set_process_title, worker_process_name
@@ -56,6 +62,8 @@ class _State:
     groups: dict[str, GroupCoordinator] = dataclasses.field(default_factory=dict)
     # Every subgroup this process created, to destroy them in order.
     process_groups: list[Any] = dataclasses.field(default_factory=list)
+    # The data parallel group outside the world, when there is one (set_dp_group).
+    detached_dp: DetachedGroup | None = None
 
 
 _state = _State()
@@ -239,8 +247,19 @@ def get_dcp_group() -> GroupCoordinator:
     return _group("dcp")
 
 
-def get_dp_group() -> GroupCoordinator:
+def get_dp_group() -> GroupCoordinator | DetachedGroup:
+    """The data parallel group: the one :func:`set_dp_group` installed, else the world's."""
+    if _state.detached_dp is not None:
+        return _state.detached_dp
     return _group("dp")
+
+
+def set_dp_group(group: DetachedGroup | None) -> DetachedGroup | None:
+    """Make ``group`` (outside the world) what :func:`get_dp_group` returns; None
+    goes back to the world's.  Returns the one installed before (not retired:
+    the caller decides)."""
+    previous, _state.detached_dp = _state.detached_dp, group
+    return previous
 
 
 def get_ep_group() -> GroupCoordinator:
@@ -250,6 +269,9 @@ def get_ep_group() -> GroupCoordinator:
 
 def destroy_model_parallel() -> None:
     """Release every parallel group (not the world); idempotent."""
+    detached = set_dp_group(None)
+    if detached is not None:
+        detached.close()
     for group in _state.groups.values():
         group.close()
     _destroy_process_groups(_state.process_groups)

@@ -40,6 +40,19 @@ does not wait that out: the factory gets the engine's closing event as the
 executors' start-up cancel (``Executor.start``), so a rebuild still waiting
 gives up and cleans up at once.
 
+The data parallel group of dense replicas with failover (``dp_group``):
+each replica keeps a world of its own, and the DP group is formed outside
+them by generation (``mpexec.models.dp_world``).  Generation 0 forms here on
+construction; when a replica fails, the next ``step`` retires the group on
+the survivors (their DP collectives then raise ``StaleGroupError``), and
+once every replica serves again it forms the next generation over all of
+them, survivors included.  Both happen at the start of a step, from the
+thread that steps, so no survivor is in a step or a collective of its own
+world.  A replica that fails during the join (dies, or freezes and is named
+by its executor's stall watch) is failed over like one that fails a step;
+a join that fails otherwise is tried again once the replicas change.
+``dp_group_generation`` is the generation that holds (None: none does).
+
 Lockstep (``lockstep=True``, experts split across the replicas): every MoE
 layer's collectives span all replicas, so each step runs one forward on
 every replica: the busy ones step, the idle ones run
@@ -84,16 +97,29 @@ class FailoverStats:
     timeline: list[tuple[float, tuple[int, ...], str]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class DpGroupSpec:
+    """Where the detached DP group's stores listen (a port per generation, picked
+    here) and how long its forming and its collectives may wait."""
+
+    host: str
+    timeout_s: float
+
+
 class DataParallelEngine:
     """``len(replicas)`` engines behind the API of one (see the module docstring)."""
 
     def __init__(self, replicas: list[Engine], *, restart: bool = False,
                  factory: Callable[[list[int], threading.Event], list[Engine]] | None = None,
-                 max_restarts: int = 3, backoff_s: float = 1.0, lockstep: bool = False) -> None:
+                 max_restarts: int = 3, backoff_s: float = 1.0, lockstep: bool = False,
+                 dp_group: DpGroupSpec | None = None) -> None:
         """``factory(ranks, cancel)`` rebuilds the replicas of those DP ranks
         (with lockstep: all of them, joined into one world again); once
         ``cancel`` is set (this engine shuts down) it should give up, cleaned
-        up, as soon as it can."""
+        up, as soon as it can.  ``dp_group``: the replicas' workers have a
+        detached DP group (``join_dp_group``), formed here and after every
+        rebuild (module docstring); a first generation that does not form is
+        the constructor's error."""
         if not replicas:
             raise ValueError("a data parallel engine needs at least one replica")
         if restart and factory is None:
@@ -124,6 +150,18 @@ class DataParallelEngine:
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=len(replicas),
                                         thread_name_prefix="mpexec-dp-step")
+        self.dp_group = dp_group
+        self.dp_group_generation: int | None = None  # the generation that holds
+        self._dp_next_generation = 0
+        # the replicas the generation spans, and those last tried (the engines
+        # themselves, compared by identity: a rebuilt replica is a new engine)
+        self._dp_members: list[tuple[int, Engine]] = []
+        self._dp_tried: list[tuple[int, Engine]] = []
+        if dp_group is not None:
+            failures = self._form_dp_group(self._live())
+            if failures:
+                self._pool.shutdown(wait=False)
+                raise _root_failure([exc for _, exc in sorted(failures.items())])
 
     # -- the Engine API ------------------------------------------------------------
 
@@ -215,6 +253,8 @@ class DataParallelEngine:
                 for rank, e in self._live() if e.is_dead and not e.has_unfinished_requests()]
             if dead:
                 self._fail_over(dead)
+        if self.dp_group is not None:
+            self._sync_dp_group()
         self._adopt_orphans()
         busy = [(rank, e) for rank, e in self._live() if e.has_unfinished_requests()]
         if not busy:
@@ -401,6 +441,77 @@ class DataParallelEngine:
         self.failover.recovery_s += [(rank, elapsed) for rank in unit]
         self._note(f"{name} restarted and serving again {elapsed:.1f} s after its failure")
 
+    # -- the detached data parallel group --------------------------------------------
+
+    def _sync_dp_group(self) -> None:
+        """Between steps: retire the DP group on the survivors of a failure; form
+        the next generation once every replica serves (module docstring)."""
+        live = self._live()
+        if self.dp_group_generation is not None:
+            if _same_members(live, self._dp_members):
+                return
+            retired = self.dp_group_generation
+            self.dp_group_generation = None
+            self._dp_call(live, "retire_dp_group",
+                          (retired + 1, f"a member failed: DP rank(s) "
+                           f"{sorted(set(range(len(self.replicas))) - {r for r, _ in live})}"))
+            self._note(f"DP group generation {retired} retired on DP rank(s) "
+                       f"{[rank for rank, _ in live]}")
+        if len(live) < len(self.replicas) or _same_members(live, self._dp_tried):
+            return
+        failures = self._form_dp_group(live)
+        died = [(rank, engine, [r for r in engine.scheduler.requests.values()
+                                if not r.is_finished], failures[rank])
+                for rank, engine in live
+                if rank in failures and (engine.is_dead or isinstance(failures[rank],
+                                                                        WorkerDiedError))]
+        if died:
+            self._fail_over(died)
+
+    def _form_dp_group(self, live: list[tuple[int, Engine]]) -> dict[int, BaseException]:
+        """Form the next generation over ``live`` (every replica); the ranks whose
+        join failed, with their errors."""
+        from mpexec.executor.spec import PortReservation
+
+        assert self.dp_group is not None
+        generation = self._dp_next_generation
+        self._dp_next_generation += 1
+        self._dp_tried = list(live)
+        port = PortReservation(self.dp_group.host, 0)
+        try:
+            failures = self._dp_call(live, "join_dp_group", (
+                self.dp_group.host, port.port, generation, self.dp_group.timeout_s))
+        finally:
+            port.close()
+        ranks = [rank for rank, _ in live]
+        if failures:
+            self._note(f"DP group generation {generation} did not form over DP ranks {ranks}: "
+                       + "; ".join(f"DP rank {rank}: {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                                   for rank, exc in sorted(failures.items())))
+            return failures
+        self.dp_group_generation = generation
+        self._dp_members = list(live)
+        logger.info("DP group generation %d formed over DP ranks %s", generation, ranks)
+        return {}
+
+    def _dp_call(self, live: list[tuple[int, Engine]], method: str,
+                 args: tuple[Any, ...]) -> dict[int, BaseException]:
+        """``method`` on every live replica's workers at once; the failures by rank.
+        Bounded: the workers' own waits are (``timeout_s``), and so is this one."""
+        assert self.dp_group is not None
+        bound = 2 * self.dp_group.timeout_s + 5.0
+        futures = [(rank, engine.executor.collective_rpc(method, args=args, non_block=True,
+                                                          timeout=bound))
+                   for rank, engine in live]
+        failures: dict[int, BaseException] = {}
+        for rank, future in futures:
+            try:
+                future.result(timeout=bound + 5.0)
+            except Exception as exc:
+                failures[rank] = exc
+        return failures
+
     def _note(self, message: str) -> None:
         self.failover.events.append(message)
         logger.warning("%s", message)
@@ -426,6 +537,12 @@ class _Schedulers:
 
 def _ranks(unit: tuple[int, ...]) -> str:
     return f"DP rank {unit[0]}" if len(unit) == 1 else f"DP ranks {list(unit)}"
+
+
+def _same_members(a: list[tuple[int, Engine]], b: list[tuple[int, Engine]]) -> bool:
+    """The same DP ranks held by the very same engines."""
+    return len(a) == len(b) and all(ra == rb and ea is eb
+                                    for (ra, ea), (rb, eb) in zip(a, b, strict=True))
 
 
 def _root_failure(errors: list[BaseException]) -> BaseException:

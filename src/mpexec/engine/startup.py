@@ -13,7 +13,9 @@
       │   threads yet, so they can be forked); then every replica's workers
       │   join one world (join_data_parallel), so the DP group spans them:
       │   always with experts across the replicas (which then step in
-      │   lockstep), for dense replicas unless replica_restart (_shares_world)
+      │   lockstep), for dense replicas unless replica_restart (_shares_world),
+      │   where the front end forms a DP group outside the replicas' worlds
+      │   instead, by generation (DpGroupSpec, mpexec.models.dp_world)
       │ checkpoint_tokenizer(path, config): the tokenizer, in the driver; the
       │   EOS ids and context length from the config _plan read
       ▼
@@ -52,7 +54,7 @@ from mpexec.config import (
     config_object,
     distributed_backend_for,
 )
-from mpexec.engine.dp import DataParallelEngine
+from mpexec.engine.dp import DataParallelEngine, DpGroupSpec
 from mpexec.engine.engine import Engine
 from mpexec.engine.scheduler import SchedulerLimits
 from mpexec.engine.validation import check_int
@@ -148,6 +150,7 @@ class _Plan:
     replica_configs: list[ExecutorConfig]  # one per data parallel replica
     join: bool  # the replicas' workers join one world (the DP group spans them)
     lockstep: bool  # experts across replicas: the replicas step together
+    detached_dp: bool  # dense replicas with replica_restart: a DP group outside each world
     path: Any  # the checkpoint (the model worker only)
     model_config: ModelConfig | None  # read once, by _check_model (the model worker only)
     connector: dict[str, Any] | None  # the completed kv_transfer_config
@@ -191,8 +194,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                         executor.shutdown()
                     raise
 
-            engine = DataParallelEngine(engines, restart=args.replica_restart,
-                                        factory=rebuild, lockstep=plan.lockstep)
+            timeout_s = plan.replica_configs[0].check_health_timeout_s
+            engine = DataParallelEngine(
+                engines, restart=args.replica_restart, factory=rebuild, lockstep=plan.lockstep,
+                dp_group=DpGroupSpec(args.master_addr, timeout_s) if plan.detached_dp else None)
     except BaseException:
         for executor in executors:
             executor.shutdown()
@@ -220,6 +225,7 @@ def _plan(args: EngineArgs) -> _Plan:
                          "replicas in lockstep: it needs pipeline_parallel_size=1 and "
                          "async_scheduling=False")
     shared = _shares_world(args)
+    detached = dp > 1 and args.replica_restart and args.is_model_worker and not shared
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -229,7 +235,7 @@ def _plan(args: EngineArgs) -> _Plan:
         nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         backend=distributed_backend_for(device_type, args.distributed_backend),
-        shared_dp_world=shared)
+        shared_dp_world=shared, detached_dp_group=detached)
     # One parallel config per data parallel replica: a replica none of whose
     # nodes is this one (node 0) is driven from here with no local worker.
     replica_parallel = [_replica_parallel(parallel, rank) for rank in range(dp)]
@@ -304,9 +310,9 @@ def _plan(args: EngineArgs) -> _Plan:
         scheduler=SchedulerConfig(async_scheduling=args.async_scheduling),
         executor_backend=args.executor_backend, device_type=device_type, **executor_fields)
     return _Plan(replica_configs=[_replica_config(config, p) for p in replica_parallel],
-                 join=parallel.joins_replica_world, lockstep=ep_across, path=path,
-                 model_config=model_config, connector=connector, speculative=speculative,
-                 vocab_size=vocab_size)
+                 join=parallel.joins_replica_world, lockstep=ep_across,
+                 detached_dp=detached, path=path, model_config=model_config,
+                 connector=connector, speculative=speculative, vocab_size=vocab_size)
 
 
 def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...],
@@ -354,7 +360,9 @@ def _shares_world(args: EngineArgs) -> bool:
     cannot add a rank to a running world, so a replica rebuilt alone could
     not rejoin its peers' world, and rebuilding every replica instead would
     stop the survivors that are meant to take the failed one's requests.
-    There each dense replica keeps a world of its own (a DP group of one).
+    There each dense replica keeps a world of its own and the DP group is a
+    gloo group outside them, formed again by generation after each rebuild
+    (``ParallelConfig.detached_dp_group``, ``mpexec.models.dp_world``).
     Other worker classes build no groups across the replicas.
     """
     dp = args.data_parallel_size
@@ -366,9 +374,9 @@ def _shares_world(args: EngineArgs) -> bool:
         return False
     if args.replica_restart:
         logger.info("replica_restart: the %d dense data parallel replicas keep a "
-                    "torch.distributed world each (get_dp_group() in a worker is a group "
-                    "of one), so that a failed replica can be rebuilt alone while the "
-                    "others serve", dp)
+                    "torch.distributed world each, so that a failed replica can be rebuilt "
+                    "alone while the others serve; their DP group (get_dp_group() in a "
+                    "worker) is formed outside those worlds, again after each rebuild", dp)
         return False
     return True
 
@@ -435,15 +443,23 @@ def _replica_config(config: ExecutorConfig, parallel: ParallelConfig) -> Executo
 
 
 def _join_replicas(executors: list[Executor], host: str) -> None:
-    """Every replica's workers join one world (``mpexec.models.dp_world``)."""
+    """Every replica's workers join one world (``mpexec.models.dp_world``).  The
+    first replica that fails (a worker that died, or froze and was named by its
+    executor's stall watch) is the error at once: its peers would wait for it
+    in the rendezvous, and the caller shuts them down."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    from mpexec.errors import WorkerDiedError
     from mpexec.executor.spec import PortReservation
 
     port = PortReservation(host, 0)
     try:
         futures = [e.collective_rpc("join_data_parallel", args=(port.init_method,),
                                     non_block=True) for e in executors]
-        for future in futures:
-            future.result()
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        errors = [e for e in (f.exception() for f in done) if e is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
     finally:
         port.close()
 

@@ -15,6 +15,40 @@ ranks of the same (PP, PCP, TP) place in every replica, and with experts the
 EP group is every replica's TP ranks of one stage.  Only expert parallelism
 puts collectives across the replicas into a step (and so needs them in
 lockstep); dense replicas keep stepping on their own.
+
+Dense replicas with ``replica_restart`` (``ParallelConfig.detached_dp_group``)
+cannot share a world: torch.distributed cannot add a rank to a running
+world, so a replica rebuilt after a failure could not rejoin it, and
+rebuilding every replica's world would stop the survivors that take the
+failed one's requests.  Each keeps a world of its own for its TP, PP and
+PCP groups, and its DP group is a gloo group outside it
+(``mpexec.distributed.detached``), formed by generation::
+
+    driver (DataParallelEngine, between steps)     every replica's workers
+    ─────────────────────────────────────────      ───────────────────────
+    start-up: all replicas up ──► join_dp_group(host, port, g=0, timeout)
+                                    retire the previous generation, then
+                                    form g: one TCPStore at host:port
+                                    (hosted by DP rank 0's rank 0), a
+                                    ProcessGroupGloo per place under the
+                                    prefix of (g, place); DP rank = group rank
+    a replica fails ──► retire_dp_group(g) on the survivors: their DP
+                        collectives raise StaleGroupError at once
+    the rebuilt replica serves ──► join_dp_group(host, new port, g + 1, ...)
+                                    on every replica, survivors included
+
+The driver only calls these between steps (from the thread that steps), so
+no step and no collective of a survivor's own world is in flight; the
+survivors' TP and PP state is never touched.  Every wait is bounded by the
+timeout: a replica that froze during ``join_dp_group`` is named by its
+executor's stall watch (``WorkerStalledError``) and failed over like a dead
+one, the others' joins end in ``DataParallelGroupError`` and they keep
+serving with a retired group, and the next generation forms once the frozen
+replica is rebuilt.  Until the first generation forms (and whenever the last
+did not), ``get_dp_group()`` returns a group that raises ``StaleGroupError``,
+never a group of one that would silently sum one replica.  Across nodes the
+same holds: the store listens on ``master_addr`` (node 0, where DP rank 0's
+rank 0 runs) and gloo connects the members wherever they are.
 """
 
 from __future__ import annotations
@@ -33,6 +67,58 @@ class ReplicaGroups:
     ep: Any = None
     dcp: Any = None
     pcp: Any = None
+
+
+def install_unformed_dp_group(context: Any) -> None:
+    """Before the first generation forms: a DP group whose collectives raise."""
+    from mpexec import distributed
+    from mpexec.distributed import DetachedGroup
+
+    parallel = context.config.parallel
+    distributed.set_dp_group(DetachedGroup.unformed(
+        "dp", parallel.data_parallel_rank, parallel.data_parallel_size,
+        "not formed yet: the driver forms it once every replica serves"))
+
+
+def join_dp_generation(context: Any, host: str, port: int, generation: int,
+                       timeout_s: float) -> Any:
+    """Retire this worker's DP group and form generation ``generation`` of it
+    (module docstring); the new group, also what ``get_dp_group()`` returns.
+    On failure the retired group stays and the error (a
+    ``DataParallelGroupError``) is raised."""
+    from mpexec import distributed
+    from mpexec.distributed import DetachedGroup
+    from mpexec.distributed.detached import form_detached_group
+    from mpexec.errors import DataParallelGroupError
+
+    parallel = context.config.parallel
+    dp_rank, dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
+    retire_dp_generation(generation, f"replaced by generation {generation}")
+    try:
+        group = form_detached_group(
+            "dp", host=host, port=port, generation=generation, place=context.rank,
+            rank=dp_rank, size=dp_size, host_store=dp_rank == 0 and context.rank == 0,
+            timeout_s=timeout_s)
+    except DataParallelGroupError as exc:
+        distributed.set_dp_group(DetachedGroup.unformed(
+            "dp", dp_rank, dp_size, f"generation {generation} did not form: {exc}",
+            generation))
+        raise
+    distributed.set_dp_group(group)
+    return group
+
+
+def retire_dp_generation(before: int, reason: str) -> None:
+    """Retire this worker's DP group if its generation is older than ``before``."""
+    from mpexec import distributed
+    from mpexec.distributed import DetachedGroup
+
+    try:
+        current = distributed.get_dp_group()
+    except RuntimeError:  # no group at all: nothing to retire
+        return
+    if isinstance(current, DetachedGroup) and current.generation < before:
+        current.retire(reason)
 
 
 def join_replica_world(context: Any, init_method: str) -> ReplicaGroups:

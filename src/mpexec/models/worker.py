@@ -173,6 +173,9 @@ class ModelWorker(WorkerBase):
         # experts across the replicas, or dense replicas sharing one world.
         self.joins_replicas = parallel.joins_replica_world
         self.joined = False
+        # Dense replicas with replica_restart: a world each, and a DP group
+        # outside it formed by generation (join_dp_group, mpexec.models.dp_world).
+        self.detached_dp = parallel.detached_dp_group and parallel.data_parallel_size > 1
         self.ep_group: Any = None
         self.dp_group: Any = None
         self.device = torch.device(context.device)
@@ -226,6 +229,10 @@ class ModelWorker(WorkerBase):
             torch.set_num_threads(self.num_threads)
         if self.joins_replicas:
             return  # the groups come with join_data_parallel
+        if self.detached_dp:
+            from mpexec.models.dp_world import install_unformed_dp_group
+
+            install_unformed_dp_group(self.context)
         if self.context.world_size == 1:
             self.tp_group = self.pp_group = SingleRankGroup()
             return
@@ -235,8 +242,8 @@ class ModelWorker(WorkerBase):
             world_size=self.context.world_size, rank=self.rank, local_rank=self.local_rank,
             distributed_init_method=self.distributed_init_method, backend=self.context.backend)
         # This world is one data parallel replica (one replica of one, or with
-        # replica_restart a dense replica that must be rebuilt alone): its DP
-        # group is of one.
+        # replica_restart a dense replica that must be rebuilt alone, whose DP
+        # group lives outside it: join_dp_group): its own DP group is of one.
         distributed.initialize_model_parallel(
             tensor_model_parallel_size=self.tp_size, pipeline_model_parallel_size=self.pp_size,
             prefill_context_model_parallel_size=self.pcp_size,
@@ -263,6 +270,25 @@ class ModelWorker(WorkerBase):
         self.tp_group, self.pp_group, self.dp_group = groups.tp, groups.pp, groups.dp
         self.ep_group, self.dcp_group, self.pcp_group = groups.ep, groups.dcp, groups.pcp
         self.load_model()
+
+    def join_dp_group(self, host: str, port: int, generation: int, timeout_s: float) -> int:
+        """Form generation ``generation`` of the DP group outside this replica's
+        world (``mpexec.models.dp_world``, dense replicas with
+        ``replica_restart``); between steps.  Returns the generation."""
+        from mpexec.models.dp_world import join_dp_generation
+
+        if not self.detached_dp:
+            raise RuntimeError("join_dp_group: this worker's DP group is not detached "
+                               "(ParallelConfig.detached_dp_group with data_parallel_size > 1)")
+        join_dp_generation(self.context, host, port, generation, timeout_s)
+        return generation
+
+    def retire_dp_group(self, before: int, reason: str) -> None:
+        """Retire the detached DP group if older than generation ``before``: its
+        collectives raise ``StaleGroupError`` from now on."""
+        from mpexec.models.dp_world import retire_dp_generation
+
+        retire_dp_generation(before, reason)
 
     def load_model(self) -> None:
         if self.joins_replicas and not self.joined:
@@ -595,6 +621,12 @@ class ModelWorker(WorkerBase):
         self.cache = None
         self.stage = None
         self.pending.clear()
+        if self.detached_dp:
+            from mpexec import distributed
+
+            detached = distributed.set_dp_group(None)
+            if detached is not None:
+                detached.close()
         if self.owns_distributed:
             from mpexec import distributed
 
