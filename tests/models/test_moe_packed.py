@@ -262,3 +262,33 @@ def test_packed_experts_split_across_two_replicas_match_one(gguf_with_tokenizer:
             if ep:
                 assert llm.engine.lockstep and llm.engine.dummy_steps > 0
     assert results[0] == results[1]
+
+
+@pytest.fixture
+def bare_gguf(tiny_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(a float Mixtral GGUF written without a vocabulary, the checkpoint
+    directory it came from, with the tiny tokenizer); written before the
+    test's leak check (transformers' progress bar keeps a semaphore)."""
+    import shutil
+
+    from mpexec.models.testing_gguf import write_moe_gguf
+
+    hf_dir = save_moe(tmp_path / "mixtral", "mixtral", vocab_size=389)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint / name, hf_dir / name)
+    return write_moe_gguf(tmp_path / "f32.gguf", hf_dir), hf_dir
+
+
+def test_a_gguf_without_a_vocabulary_serves_with_the_tokenizer_given(
+        bare_gguf: tuple[Path, Path], leak_check: None) -> None:
+    """``tokenizer=`` wins over the checkpoint's: a GGUF written without a
+    vocabulary is served with the tokenizer of the checkpoint it came from
+    (the front end used to read the file's own vocabulary and fail)."""
+    from mpexec.engine.llm import LLM
+
+    bare, hf_dir = bare_gguf
+    with LLM(str(bare), tokenizer=str(hf_dir), num_threads=1, block_size=4,
+             kv_cache_memory_bytes=16 << 20, shutdown_grace_s=5.0) as llm:
+        [out] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3,
+                                                        ignore_eos=True))
+    assert len(out.token_ids) == 3

@@ -329,11 +329,12 @@ def _front(args: EngineArgs, plan: _Plan) -> tuple[TokenizerLike, tuple[int, ...
     if args.is_model_worker:
         config = plan.model_config
         assert config is not None
-        loaded = importlib.import_module("mpexec.models.loader").checkpoint_tokenizer(
-            plan.path, config)
-        tokenizer = tokenizer or loaded
+        if tokenizer is None:  # a tokenizer= given wins: the checkpoint may have none
+            tokenizer = importlib.import_module("mpexec.models.loader").checkpoint_tokenizer(
+                plan.path, config)
         if eos_token_ids is None:
-            eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *loaded.eos_token_ids]))
+            eos_token_ids = list(dict.fromkeys([*config.eos_token_ids,
+                                                *tokenizer.eos_token_ids]))
         model_max_len = args.max_model_len or config.max_position_embeddings
     assert tokenizer is not None and model_max_len is not None
     eos = tuple(eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids)
