@@ -128,6 +128,9 @@ PAYLOADS: dict[str, tuple[str, bytes, str]] = {
     "100,000 stop strings": (CMPL, _json({"prompt": "hi",
                                           "stop": [f"s{i}" for i in range(100_000)]}), ""),
     "a 1 MB stop string": (CMPL, _json({"prompt": "hi", "stop": "x" * 1_000_000}), ""),
+    # its automaton grows exponentially: the compile is stopped at its bound (30 s)
+    "JSON string maxLength 24": (CMPL, _json({"prompt": "hi", "max_tokens": 2, "guided_json": {
+        "type": "string", "maxLength": 24}}), ""),
     "logprobs 10**6": (CMPL, _json({"prompt": "hi", "logprobs": 10**6}), ""),
     "chat top_logprobs -1": (CHAT, _json({"messages": MSG, "logprobs": True,
                                           "top_logprobs": -1}), ""),
