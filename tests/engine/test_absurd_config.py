@@ -45,7 +45,7 @@ CAP = max(MIN_CPU_WORKER_CAP, CPU_WORKERS_PER_CPU * usable_cpus())
     ({"data_parallel_size": CAP // 2 + 1, "tensor_parallel_size": 2}, "CPU workers on this"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
     ({"pipeline_parallel_size": 4 + 1}, r"pipeline_parallel_size \(5\) exceeds"),
-    ({"pipeline_parallel_size": 100_000}, "100000 CPU workers"),
+    ({"pipeline_parallel_size": 100_000}, r"pipeline_parallel_size \(100000\) exceeds"),
     ({"tensor_parallel_size": -2}, "tensor_parallel_size must be an integer >= 1"),
     ({"seed": -1}, "seed must be >= 0"),
     ({"quantization": "nope"}, "quantization must be one of"),

@@ -247,7 +247,6 @@ def _plan(args: EngineArgs) -> _Plan:
             "on %d usable CPU(s): the workers share the CPUs, one intra-op thread each, and "
             "run slower than on %d CPUs", world, on_node, cpus, world)
     _check_devices(world, device_type, is_model_worker)
-    _check_cpu_load(world, args.num_threads, cpus, device_type)
     if is_model_worker:  # a typo fails here, not in every worker
         from mpexec.models.quantization import check_quantization
         from mpexec.models.worker import DTYPES
@@ -302,6 +301,8 @@ def _plan(args: EngineArgs) -> _Plan:
         if args.max_model_len is None:
             raise ValueError("worker_cls other than the model worker needs max_model_len")
         kwargs = dict(args.worker_kwargs or {})
+    # after the model's own checks, which say more (a TP above its heads, say)
+    _check_cpu_load(world, args.num_threads, cpus, device_type)
     config = ExecutorConfig.from_env(
         worker_cls=args.worker_cls, worker_kwargs=kwargs, parallel=parallel,
         scheduler=SchedulerConfig(async_scheduling=args.async_scheduling),
