@@ -35,6 +35,23 @@ knows it; the engine never sends a placeholder to a pipeline with PP > 1
 MAX_LOGPROBS = 20
 """The most top-k entries ``logprobs`` and ``prompt_logprobs`` may ask for."""
 
+MIN_TEMPERATURE = 0.01
+"""A temperature in (0, this) is taken as this (vLLM's rule): the sampler
+divides float32 logits by it, and 1e-300 reads as 0 there (every logit
+infinite, every probability NaN, token 0 picked whatever the model said)."""
+
+MIN_TOP_P = 1e-6
+"""A ``top_p`` in (0, this) is taken as this, for the same float32 reason
+(a 0 nucleus drops every token); it keeps the most likely token either way."""
+
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+"""Where ``repetition_penalty`` must lie: outside it float32 reads it as 0 or
+infinity and the penalised logits become NaN."""
+
+LOGIT_BIAS_BOUND = 100.0
+"""Each ``logit_bias`` value is clipped to [-this, this] (OpenAI's range, and
+vLLM's clip): a bias of 1e308 is infinite in float32 and makes NaN."""
+
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
@@ -84,8 +101,10 @@ class GuidedDecodingParams:
 class SamplingParams:
     """How one request picks its next tokens and when it stops.
 
-    The field names and meanings are vLLM's.  ``temperature == 0`` is greedy.
-    ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0`` switch those filters off.
+    The field names and meanings are vLLM's.  ``temperature == 0`` is greedy;
+    a temperature in (0, ``MIN_TEMPERATURE``) is raised to it, a ``top_p``
+    in (0, ``MIN_TOP_P``) likewise.  ``top_k`` is -1 or 0 (off) or a count
+    >= 1; ``top_p == 1`` and ``min_p == 0`` switch those filters off.
     A request's tokens depend only on its own tokens so far, its parameters
     and ``seed`` (None: the engine's seed), never on what else is in the batch.
 
@@ -93,9 +112,10 @@ class SamplingParams:
       ``seed + i``.
     - ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract from
       the logit of every token already in the *output*, once / once per
-      occurrence; ``repetition_penalty`` (> 0, 1 = off) divides a positive
-      logit (multiplies a negative one) of every token in the prompt or the
-      output; ``logit_bias`` adds to the logits of the given token ids.
+      occurrence; ``repetition_penalty`` (in ``REPETITION_PENALTY_RANGE``,
+      1 = off) divides a positive logit (multiplies a negative one) of every
+      token in the prompt or the output; ``logit_bias`` adds to the logits of
+      the given token ids (each bias clipped to [-100, 100]).
     - ``stop``: strings that end the output (not included in the text unless
       ``include_stop_str_in_output``); ``stop_token_ids`` end it too.  No stop
       (EOS, stop token or stop string) counts before ``min_tokens`` tokens.
@@ -141,10 +161,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2]; got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
-        if not _is_int(self.top_k):
-            raise ValueError(f"top_k must be an integer; got {self.top_k!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be > 0, in [{low:g}, {high:g}]; "
+                             f"got {self.repetition_penalty}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError("top_k must be -1 or 0 (no top-k) or an integer >= 1; "
+                             f"got {self.top_k!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1; got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -218,7 +245,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {key!r}")
         if not _is_number(amount) or not math.isfinite(amount):
             raise ValueError(f"logit_bias[{key!r}] must be a finite number; got {amount!r}")
-        bias[token] = float(amount)
+        bias[token] = min(LOGIT_BIAS_BOUND, max(-LOGIT_BIAS_BOUND, float(amount)))
     return bias or None
 
 

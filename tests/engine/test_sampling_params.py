@@ -19,6 +19,8 @@ from tests.engine.fake_tokenizer import FakeTokenizer
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": 2}, "min_p"),
     ({"top_k": 1.5}, "top_k"),
+    ({"top_k": -5}, "top_k"),
+    ({"top_k": -2}, "top_k"),
     ({"n": 0}, "n"),
     ({"n": "2"}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -27,6 +29,8 @@ from tests.engine.fake_tokenizer import FakeTokenizer
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-308}, "repetition_penalty"),
+    ({"repetition_penalty": 1e308}, "repetition_penalty"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"prompt_logprobs": 100}, "prompt_logprobs"),
@@ -46,6 +50,34 @@ from tests.engine.fake_tokenizer import FakeTokenizer
 def test_a_bad_value_names_its_field(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=rf"^{named}\b"):
         SamplingParams(**fields)
+
+
+def test_values_float32_cannot_hold_are_brought_into_range() -> None:
+    """vLLM's rules: a tiny temperature is 0.01, a tiny top_p 1e-6, a bias at most 100;
+    -1 and 0 both switch top-k off."""
+    params = SamplingParams(temperature=1e-300, top_p=1e-300,
+                            logit_bias={5: 1e308, 6: -1e308, 7: 3.5})
+    assert params.temperature == 0.01 and not params.greedy
+    assert params.top_p == 1e-6
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 3.5}
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.5, top_p=0.3).temperature == 0.5
+    for off in (-1, 0):
+        assert SamplingParams(top_k=off).top_k == off
+
+
+def test_a_tiny_temperature_samples_the_likely_token_not_token_0() -> None:
+    """temperature 1e-300 used to read as 0.0 in float32: every logit became
+    infinite, the probabilities NaN, and token 0 came out whatever the logits."""
+    torch = pytest.importorskip("torch")
+    from mpexec.models.sampler import SampleRequest, sample
+
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0]])
+    for fields in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300},
+                   {"temperature": 1.0, "logit_bias": {1: 1e308}}):
+        tokens, _ = sample(logits, [SampleRequest(SamplingParams(**fields), seed=3,
+                                                  position=0)])
+        assert tokens == [1 if "logit_bias" in fields else 2], fields
 
 
 def test_normalised_forms() -> None:

@@ -5,7 +5,8 @@ hang) and the server serves on; clients that drop a stream mid-way (many at
 once, after the first chunk or before any) have their requests aborted in the
 engine (the scheduler empty and no KV block in use afterwards, read from
 ``/metrics``); slow readers that never read their streams do not hold up
-another client.
+another client.  A body over ``--max-request-bytes`` is a 413 before it is
+read, whether it declares its length or comes chunked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mpexec.entrypoints.protocol import MAX_STOP_STRINGS
 from tests.entrypoints.server_proc import ServerProcess
 
 pytest.importorskip("fastapi")
@@ -33,12 +35,13 @@ CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 IDLE_WAIT_S = 60.0
+MAX_BODY = 6 * 1024 * 1024  # the module server's --max-request-bytes (default 8 MiB)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
     with ServerProcess(str(tiny_checkpoint), "--served-model-name", MODEL,
-                       "--max-num-seqs", "64") as proc:
+                       "--max-num-seqs", "64", "--max-request-bytes", str(MAX_BODY)) as proc:
         proc.wait_ready()
         yield proc
         assert proc.stop() == 0, proc.log()
@@ -103,6 +106,11 @@ PAYLOADS: dict[str, tuple[str, bytes, str]] = {
     "20 MB prompt": (CMPL, _json({"prompt": "a " * 10_000_000, "max_tokens": 1}), ""),
     "20 MB chat message": (CHAT, _json({"messages": [{"role": "user",
                                                       "content": "a " * 10_000_000}]}), ""),
+    # under the body bound: refused from a prefix of the text (encode_within)
+    "4 MB prompt": (CMPL, _json({"prompt": "a " * 2_000_000, "max_tokens": 1}), ""),
+    "4 MB chat message": (CHAT, _json({"messages": [{"role": "user",
+                                                     "content": "a " * 2_000_000}]}), ""),
+    "4 MB tokenize prompt": ("/tokenize", _json({"prompt": "a " * 2_000_000}), ""),
     "100,000 messages": (CHAT, _json({"messages": MSG * 100_000, "max_tokens": 1}), ""),
     "token id above vocab": (CMPL, _json({"prompt": [1, 2, 10**12], "max_tokens": 1}), ""),
     "negative token id": (CMPL, _json({"prompt": [[1], [-2]], "max_tokens": 1}), ""),
@@ -111,6 +119,21 @@ PAYLOADS: dict[str, tuple[str, bytes, str]] = {
     "temperature -1": (CMPL, _json({"prompt": "hi", "temperature": -1}), ""),
     "top_p 0": (CMPL, _json({"prompt": "hi", "top_p": 0}), ""),
     "top_p 2": (CMPL, _json({"prompt": "hi", "top_p": 2}), ""),
+    "top_k -5": (CMPL, _json({"prompt": "hi", "top_k": -5}), ""),
+    "chat top_k -2": (CHAT, _json({"messages": MSG, "top_k": -2}), ""),
+    "repetition_penalty 1e-308": (CMPL, _json({"prompt": "hi",
+                                               "repetition_penalty": 1e-308}), ""),
+    "repetition_penalty 1e308": (CMPL, _json({"prompt": "hi", "repetition_penalty": 1e308}), ""),
+    "presence_penalty -3": (CMPL, _json({"prompt": "hi", "presence_penalty": -3}), ""),
+    "100,000 stop strings": (CMPL, _json({"prompt": "hi",
+                                          "stop": [f"s{i}" for i in range(100_000)]}), ""),
+    "a 1 MB stop string": (CMPL, _json({"prompt": "hi", "stop": "x" * 1_000_000}), ""),
+    # its automaton grows exponentially: the compile is stopped at its bound (30 s)
+    "JSON string maxLength 24": (CMPL, _json({"prompt": "hi", "max_tokens": 2, "guided_json": {
+        "type": "string", "maxLength": 24}}), ""),
+    "logprobs 10**6": (CMPL, _json({"prompt": "hi", "logprobs": 10**6}), ""),
+    "chat top_logprobs -1": (CHAT, _json({"messages": MSG, "logprobs": True,
+                                          "top_logprobs": -1}), ""),
     "10,000 stop strings with an empty one": (
         CMPL, _json({"prompt": "hi", "stop": [f"s{i}" for i in range(9_999)] + [""]}), ""),
     "logit_bias huge key": (CMPL, _json({"prompt": "hi", "logit_bias": {"9" * 30: 1}}), ""),
@@ -131,6 +154,7 @@ PAYLOADS: dict[str, tuple[str, bytes, str]] = {
 
 @pytest.mark.parametrize("case", list(PAYLOADS))
 def test_absurd_payload_is_a_4xx(server: ServerProcess, case: str) -> None:
+    """(the 20 MB ones are 413s now; the 4 MB ones reach ``encode_within``)"""
     path, body, content_type = PAYLOADS[case]
     reply = httpx.post(f"{server.url}{path}", content=body, timeout=120,
                        headers={"content-type": content_type or "application/json"})
@@ -148,7 +172,7 @@ def test_fits_the_context_is_still_served(server: ServerProcess) -> None:
     limit = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     reply = httpx.post(f"{server.url}{CMPL}", timeout=120, json={
         "prompt": "hi", "max_tokens": limit, "ignore_eos": True,
-        "stop": [f"s{i}" for i in range(10_000)], "logit_bias": {"5": 100}})
+        "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS)], "logit_bias": {"5": 100}})
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     reply = httpx.post(f"{server.url}{CMPL}", timeout=120,
@@ -220,6 +244,37 @@ def test_slow_readers_do_not_block_others(server: ServerProcess) -> None:
         for sock in slow:
             sock.close()
     wait_idle(server)
+
+
+def test_a_body_over_the_bound_is_a_413_unread(server: ServerProcess) -> None:
+    """30 MB with its Content-Length is refused from the header; sent chunked
+    (no length), once the count crosses the bound; the server serves on."""
+    declared = httpx.post(f"{server.url}{CMPL}", timeout=120,
+                          json={"prompt": "a" * 30_000_000, "max_tokens": 1})
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(30):
+            yield b"a" * 1_000_000
+        yield b'", "max_tokens": 1}'
+
+    chunked = httpx.post(f"{server.url}{CMPL}", content=chunks(), timeout=120,
+                         headers={"content-type": "application/json"})
+    assert chunked.request.headers.get("transfer-encoding") == "chunked"
+    for reply in (declared, chunked):
+        assert reply.status_code == 413, reply.text[:500]
+        error = reply.json()["error"]
+        assert error["type"] == "RequestTooLargeError" and str(MAX_BODY) in error["message"]
+    # just under the bound is read and judged on its content (a prompt too long)
+    under = httpx.post(f"{server.url}/tokenize", timeout=120,
+                       json={"prompt": "a " * (MAX_BODY // 2 - 100)})
+    assert under.status_code == 400 and "max_model_len" in under.text, under.text[:500]
+    still_serves(server)
+
+
+def test_tokenize_answers_within_the_context(server: ServerProcess) -> None:
+    reply = httpx.post(f"{server.url}/tokenize", timeout=120, json={"prompt": "a " * 300})
+    assert reply.status_code == 200 and reply.json()["count"] >= 300, reply.text[:500]
 
 
 def test_encode_within_tokenizes_a_bounded_prefix_of_a_huge_text() -> None:

@@ -94,6 +94,8 @@ class EchoWorker(WorkerBase):
             time.sleep(60)
         if self.fail_at == f"{stage}:native":
             block_in_native_code()
+        if self.fail_at == f"{stage}:kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.fail_at == f"{stage}:stop":
             os.kill(os.getpid(), signal.SIGSTOP)  # as if frozen by a signal
         if self.fail_at == f"{stage}:hold_gil":

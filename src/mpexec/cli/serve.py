@@ -2,14 +2,14 @@
 
 The options carry vLLM's names (``--tensor-parallel-size/-tp``,
 ``--pipeline-parallel-size/-pp``, ``--host``, ``--port``, ``--api-key``,
-``--served-model-name``, ``--max-model-len``, ``--max-num-seqs``,
-``--dtype``, ``--executor-backend``) and the multi-node flags of
-``generate``.  The workers start and the model loads before the socket is
-bound; a mistake there is one line and exit status 2 (1 when the workers
-fail).  Once serving: SIGTERM or Ctrl-C stops accepting, gives in-flight
-requests ``--shutdown-grace`` seconds, shuts the executor down and exits 0;
-an engine failure (a worker died) exits 1 after the open requests got their
-500.
+``--served-model-name``, ``--max-model-len``, ``--max-num-seqs``, ``--dtype``,
+``--executor-backend``) and the multi-node flags of ``generate``;
+``--max-request-bytes`` bounds a request body (413 above it). The workers
+start and the model loads before the socket is bound; a mistake there is one
+line and exit status 2 (1 when the workers fail). Once serving: SIGTERM or
+Ctrl-C stops accepting, gives in-flight requests ``--shutdown-grace`` seconds,
+shuts the executor down and exits 0; an engine failure (a worker died) exits 1
+after the open requests got their 500.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule step N+1 while step N runs")
     parser.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (0)")
+    parser.add_argument("--max-request-bytes", type=_positive_int, default=8 * 1024 * 1024,
+                        help="a request body larger than this is refused with a 413 "
+                             "(8388608, 8 MiB)")
     parser.add_argument("--shutdown-grace", type=float, default=10.0,
                         help="seconds in-flight requests get after SIGTERM (10)")
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -103,5 +106,5 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncLLM(llm=llm)
     return serve(engine, host=args.host, port=args.port, model_names=names, api_key=api_key,
                  grace_s=args.shutdown_grace, log_level=args.uvicorn_log_level,
-                 announce=sys.stderr)
+                 announce=sys.stderr, max_body_bytes=args.max_request_bytes)
 

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from mpexec.models.config import ModelConfig
 
 MODEL_WORKER = "mpexec.models.worker:ModelWorker"
+CPU_WORKERS_PER_CPU = 4  # CPU workers (and intra-op threads) one usable CPU may carry
+MIN_CPU_WORKER_CAP = 16  # ... but a small machine may still run a 16-worker layout
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
@@ -210,7 +212,9 @@ def _plan(args: EngineArgs) -> _Plan:
     _check_arguments(seed=args.seed, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     block_size=args.block_size)
+                     block_size=args.block_size,
+                     kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                     num_threads=args.num_threads)
     is_model_worker = args.is_model_worker
     device_type = _device_type(args.device) if is_model_worker else "cpu"
     dp = args.data_parallel_size
@@ -255,8 +259,12 @@ def _plan(args: EngineArgs) -> _Plan:
     _check_devices(world, device_type, is_model_worker)
     if is_model_worker:  # a typo fails here, not in every worker
         from mpexec.models.quantization import check_quantization
+        from mpexec.models.worker import DTYPES
 
         check_quantization(args.quantization)
+        if args.dtype != "auto" and args.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}; "
+                             f"got {args.dtype!r}")
     speculative = _speculative(args.speculative_config, parallel, is_model_worker)
     connector = _kv_transfer(args.kv_transfer_config, args.namespace, args.block_size,
                              parallel.world_size)
@@ -305,6 +313,8 @@ def _plan(args: EngineArgs) -> _Plan:
         if args.max_model_len is None:
             raise ValueError("worker_cls other than the model worker needs max_model_len")
         kwargs = dict(args.worker_kwargs or {})
+    # after the model's own checks, which say more (a TP above its heads, say)
+    _check_cpu_load(world, args.num_threads, cpus, device_type)
     config = ExecutorConfig.from_env(
         worker_cls=args.worker_cls, worker_kwargs=kwargs, parallel=parallel,
         scheduler=SchedulerConfig(async_scheduling=args.async_scheduling),
@@ -383,9 +393,28 @@ def _shares_world(args: EngineArgs) -> bool:
 
 
 def _check_arguments(**values: Any) -> None:
+    optional = ("max_model_len", "kv_cache_memory_bytes", "num_threads")
     for name, value in values.items():
         check_int(name, value, minimum=2 if name == "max_model_len" else
-                  (0 if name == "seed" else 1), optional=name == "max_model_len")
+                  (0 if name == "seed" else 1), optional=name in optional)
+
+
+def _check_cpu_load(workers: int, num_threads: int | None, cpus: int, device_type: str) -> None:
+    """CPU workers may outnumber the CPUs (they share them), but not without
+    bound: each is a process with its own torch and its share of the model, and
+    a data_parallel_size of 1000 would fork until the machine gives out.  The
+    same for intra-op threads: OpenMP starts every one it is told to."""
+    cap = max(MIN_CPU_WORKER_CAP, CPU_WORKERS_PER_CPU * cpus)
+    if device_type == "cpu" and workers > cap:
+        raise ValueError(f"data x tensor x pipeline x prefill context parallel sizes = "
+                         f"{workers} CPU workers on this node; at most {cap} start here "
+                         f"({CPU_WORKERS_PER_CPU} per usable CPU, {cpus} usable, "
+                         f"{MIN_CPU_WORKER_CAP} at least)")
+    thread_cap = CPU_WORKERS_PER_CPU * cpus
+    if num_threads is not None and num_threads > thread_cap:
+        raise ValueError(f"num_threads {num_threads} is more than {CPU_WORKERS_PER_CPU} "
+                         f"intra-op threads per usable CPU ({cpus} usable): at most "
+                         f"{thread_cap}")
 
 
 def _check_model(path: Any, max_model_len: int | None, tp: int, pp: int) -> ModelConfig:

@@ -6,7 +6,8 @@
       │ json: outlines_core.json_schema.build_regex_from_schema; choice: an alternation
       ▼
     regex ── outlines_core.Index(regex, Vocabulary(eos, token bytes -> ids))
-      │        (compiled once per (kind, spec) and kept: the costly part)
+      │        (compiled once per regex and kept, the last COMPILED_KEPT of them:
+      │         the costly part, done in a child process, see below)
       ▼
     Guide(index) per request ── write_mask_into ─► one int32 bitmask row per step
       ▲                                             (GrammarOutput, sent with sample_tokens)
@@ -21,6 +22,26 @@ A request with a constraint never runs on a placeholder (the scheduler
 waits for its token before scheduling it again), so async scheduling
 overlaps only the unconstrained requests.
 
+Compiling can take far longer than anything else a request costs, and
+grows exponentially in innocent-looking specs: ``{"type": "string",
+"maxLength": 16}`` takes seconds, ``"maxLength": 20`` minutes and
+gigabytes (the automaton follows every UTF-8 byte of a negated character
+class through each optional repeat).  The engine thread compiles, so the
+whole batch would wait for it and no thread can be stopped midway; the
+automaton is therefore built in a child process (the ``forkserver``
+context, so nothing of this threaded process is copied)::
+
+    engine thread                                 child
+      Process(_compile_child, regex, vocabulary) ──► setrlimit(RLIMIT_AS, now +
+      wait up to COMPILE_TIMEOUT_S on the pipe           COMPILE_MEMORY_BYTES)
+                                                     Index(regex, Vocabulary)
+      ◄── ("ok", pickled Index) | ("error", text) ─── send, exit
+      nothing in time: kill, join, ValueError naming the bound
+
+so a constraint that does not compile within the bounds is a ``ValueError``
+for its request (a 400 from the server) and the engine stalls at most
+``COMPILE_TIMEOUT_S`` for it.
+
 ``outlines-core`` is optional (``pip install 'mpexec[serve]'``).
 """
 
@@ -28,7 +49,11 @@ from __future__ import annotations
 
 import array
 import json
+import multiprocessing
+import pickle
 import re
+import resource
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -36,6 +61,9 @@ from typing import Any
 from mpexec.outputs import GrammarOutput, GuidedDecodingParams
 
 INSTALL_HINT = "structured output needs outlines-core: pip install 'mpexec[serve]'"
+COMPILE_TIMEOUT_S = 30.0  # how long one constraint may take to compile
+COMPILE_MEMORY_BYTES = 4 << 30  # address space the compiling child may add
+COMPILED_KEPT = 64  # compiled automata kept for reuse (least recently used go)
 
 
 def _outlines() -> Any:
@@ -139,21 +167,54 @@ class StructuredOutputs:
             if token < vocab_size and token != eos_token_id:
                 by_bytes.setdefault(data, []).append(token)
         self.vocabulary = oc.Vocabulary(eos_token_id, by_bytes)
-        self._indexes: dict[str, Any] = {}
+        self._eos_token_id = eos_token_id
+        self._by_bytes = by_bytes
+        self._indexes: OrderedDict[str, Any] = OrderedDict()
+        self.compile_timeout_s = COMPILE_TIMEOUT_S
+        self.compile_memory_bytes = COMPILE_MEMORY_BYTES
 
     def guide(self, params: GuidedDecodingParams) -> Any:
-        """A fresh automaton for one request (ValueError: a bad regex or schema)."""
+        """A fresh automaton for one request (ValueError: a bad regex or schema, or
+        one that does not compile within the time and memory bounds)."""
         oc = _outlines()
         regex = guide_regex(params)
         index = self._indexes.get(regex)
         if index is None:
-            try:
-                index = oc.Index(regex, self.vocabulary)
-            except Exception as exc:
-                raise ValueError(f"guided_decoding: cannot compile {regex[:200]!r} over the "
-                                 f"vocabulary: {exc}") from None
+            index = self._compile(regex)
             self._indexes[regex] = index
+            while len(self._indexes) > COMPILED_KEPT:
+                self._indexes.popitem(last=False)
+        self._indexes.move_to_end(regex)
         return oc.Guide(index)
+
+    def _compile(self, regex: str) -> Any:
+        context = multiprocessing.get_context("forkserver")
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(
+            target=_compile_child, name="mpexec-grammar-compile", daemon=True,
+            args=(regex, self._eos_token_id, self._by_bytes, self.compile_memory_bytes, send))
+        child.start()
+        send.close()
+        try:
+            reply = receive.recv() if receive.poll(self.compile_timeout_s) else None
+        except EOFError:  # the child died (out of its memory bound, say)
+            reply = ("error", f"the compiler died (exit code {child.exitcode}, "
+                              f"{self.compile_memory_bytes >> 20} MiB bound)")
+        finally:
+            receive.close()
+            if child.is_alive():
+                child.kill()
+            child.join(5.0)
+        if reply is None:
+            raise ValueError(f"guided_decoding: {regex[:200]!r} did not compile within "
+                             f"{self.compile_timeout_s:g} s (its automaton grows too large; "
+                             "a long bounded repeat, such as a JSON string's maxLength, "
+                             "does that)")
+        kind, payload = reply
+        if kind != "ok":
+            raise ValueError(f"guided_decoding: cannot compile {regex[:200]!r} over the "
+                             f"vocabulary: {payload}")
+        return pickle.loads(payload)
 
     def grammar_output(self, req_ids: Sequence[str], guides: Sequence[Any]) -> GrammarOutput:
         """One bitmask row per request, in order (int32 words, bit set = allowed)."""
@@ -163,3 +224,21 @@ class StructuredOutputs:
             guide.write_mask_into(address + 4 * self.words * row, self.words, 4)
         return GrammarOutput(structured_output_request_ids=list(req_ids),
                              grammar_bitmask=mask)
+
+
+def _compile_child(regex: str, eos_token_id: int, by_bytes: dict[bytes, list[int]],
+                   memory_bytes: int, reply: Any) -> None:
+    """In the child: compile under a memory bound, send the pickled index or the error."""
+    try:
+        with open("/proc/self/status") as status:
+            now = next(int(line.split()[1]) * 1024 for line in status
+                       if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (now + memory_bytes, now + memory_bytes))
+    except (OSError, ValueError, StopIteration):
+        pass  # no /proc or no limit to set: the time bound still holds
+    try:
+        oc = _outlines()
+        index = oc.Index(regex, oc.Vocabulary(eos_token_id, by_bytes))
+        reply.send(("ok", pickle.dumps(index)))
+    except BaseException as exc:  # the library raises its own types; MemoryError too
+        reply.send(("error", f"{type(exc).__name__}: {str(exc)[:500]}"))

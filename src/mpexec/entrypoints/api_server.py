@@ -14,20 +14,22 @@ GET  /health               200, or 503 once the engine has failed
 GET  /metrics              Prometheus text (see ``metrics``)
 =========================  ================================================================
 
-A request is checked in full before anything is queued: malformed (or too
-deeply nested) JSON, an unknown model, text that is not valid Unicode (a lone
-surrogate), a prompt longer than the context, ``max_tokens`` above the
-whole context, ``n`` above ``MAX_N`` or more
-than ``MAX_CHOICES`` choices in all, or a bad sampling value is a 400 in the
-OpenAI error shape, and the server serves on.  A text far longer than the
-context is refused from a prefix of it (``encode_within``), so that a 20 MB
-prompt does not hold the event loop while the tokenizer runs.  With an API key,
-every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
-KEY`` (401 otherwise).  An engine failure ends every open request with a
-500 (an ``error`` event in a stream that has started).  A client that
-disconnects mid-stream cancels its response, which aborts its request; a
-non-streaming request checks for its client every second and aborts the same
-way.
+A request body over ``max_body_bytes`` (``serve --max-request-bytes``, 8 MiB
+by default) is a 413 before it is read in full. A request is checked in full
+before anything is queued: malformed (or too deeply nested) JSON, an unknown
+model, text that is not valid Unicode (a lone surrogate), a prompt longer than
+the context, ``max_tokens`` above the whole context, ``n`` above ``MAX_N`` or
+more than ``MAX_CHOICES`` choices in all, more than ``MAX_STOP_STRINGS`` stop
+strings or ``MAX_STOP_CHARS`` characters of them (each costs every step of the
+batch), or a bad sampling value is a 400 in the OpenAI error shape, and the
+server serves on. A text far longer than the context is refused from a prefix
+of it (``encode_within``), so that a 20 MB prompt (to ``/tokenize`` too) does
+not hold the event loop while the tokenizer runs. With an API key, every path
+but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY`` (401
+otherwise). An engine failure ends every open request with a 500 (an ``error``
+event in a stream that has started). A client that disconnects mid-stream
+cancels its response, which aborts its request; a non-streaming request checks
+for its client every second and aborts the same way.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from mpexec.entrypoints.protocol import (
 from mpexec.outputs import SamplingParams
 
 OPEN_PATHS = ("/health", "/metrics")
+MAX_BODY_BYTES = 8 * 1024 * 1024  # default request body bound (``serve --max-request-bytes``)
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for its client
 MAX_N = 128  # choices per prompt (OpenAI's own bound)
 MAX_CHOICES = 2048  # prompts x n in one request: each is a request in the engine
@@ -278,8 +281,8 @@ class _Tracker:
         return delta, start
 
 
-def build_app(engine: AsyncLLM, model_names: Sequence[str],
-              api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, model_names: Sequence[str], api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     server = Server(engine, model_names, api_key)
     app = FastAPI(title="mpexec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -288,7 +291,8 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    if api_key is not None:
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # added last, so it runs first: no key, no body read
         app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.get("/health")
@@ -317,7 +321,11 @@ def build_app(engine: AsyncLLM, model_names: Sequence[str],
             ids = server.chat_ids(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
             _check_unicode(body.prompt, "prompt")
-            ids = engine.tokenizer.encode(body.prompt)
+            try:
+                ids = encode_within(lambda t: list(engine.tokenizer.encode(t)), body.prompt,
+                                    engine.max_model_len)
+            except ValueError as exc:  # far longer than the context
+                raise ApiError(str(exc)) from None
         else:
             raise ApiError("give 'prompt' or 'messages'")
         return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
@@ -388,6 +396,47 @@ class _ApiKeyCheck:
         error = ApiError("a valid API key is needed: Authorization: Bearer KEY", 401,
                          "AuthenticationError", "invalid_api_key")
         await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413, unread.
+
+    A ``Content-Length`` above the bound is refused before any of the body
+    is read; a body without one (chunked) is counted as it arrives, and the
+    chunk that crosses the bound raises the 413 from inside ``request.body()``,
+    so at most ``max_bytes`` plus one chunk is ever held.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self, size: str) -> ApiError:
+        return ApiError(f"the request body is {size} bytes; this server takes at most "
+                        f"{self.max_bytes} (serve --max-request-bytes)", 413,
+                        "RequestTooLargeError")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn checks the form
+            error = self.too_large(declared.decode()[:24])
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self.too_large(f"more than {self.max_bytes}")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _collect(server: Server, streams: list[RequestStream]) -> _Tracker:

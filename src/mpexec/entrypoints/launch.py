@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from mpexec.engine.async_llm import AsyncLLM
-from mpexec.entrypoints.api_server import build_app
+from mpexec.entrypoints.api_server import MAX_BODY_BYTES, build_app
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,11 @@ BACKSTOP_S = 5.0  # uvicorn cancels what is still open this long after the grace
 
 def serve(engine: AsyncLLM, *, host: str, port: int, model_names: Sequence[str],
           api_key: str | None = None, grace_s: float = 10.0, log_level: str = "warning",
-          announce: TextIO | None = None) -> int:
+          announce: TextIO | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> int:
     """Serve until told to stop; 0 after a clean stop, the engine's error if it failed."""
     import uvicorn
 
-    app = build_app(engine, model_names, api_key)
+    app = build_app(engine, model_names, api_key, max_body_bytes)
     # At the end of the grace period the engine aborts what is left, so the
     # streams end (finish_reason "abort") and uvicorn's own deadline, a bit
     # later, is only a backstop.

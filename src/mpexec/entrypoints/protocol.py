@@ -6,7 +6,9 @@ Sampling fields travel by name: each field of a request that
 ``logit_bias``, ``min_tokens``, ``logprobs``, ...), and
 ``SamplingParams`` checks the values.  A field this build's
 ``SamplingParams`` lacks is refused with a 400 naming it, unless it is at
-its neutral value (``presence_penalty: 0``, ``n: 1``).  ``n`` is served by
+its neutral value (``presence_penalty: 0``, ``n: 1``).  ``stop`` is bounded
+here (``MAX_STOP_STRINGS``, ``MAX_STOP_CHARS``): the engine searches every
+stop string after every token.  ``n`` is served by
 the server itself (``n`` requests, the ``i``-th with ``seed + i`` when a
 seed is given).
 
@@ -25,6 +27,11 @@ from mpexec.engine.structured import guided_from_response_format
 from mpexec.outputs import GuidedDecodingParams, SamplingParams
 
 SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+
+# The engine searches every stop string after every token of the request, on
+# the thread that steps the whole batch: 10**5 of them cost ~0.1 s a token.
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 16384  # all stop strings of one request together
 
 # request fields passed to SamplingParams by name, and the value that means "off"
 _PASSED: dict[str, Any] = {
@@ -170,6 +177,11 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def sampling_params(request: _Request, max_tokens: int | None,
                     logprobs: int | bool | None) -> SamplingParams:
     """The request's ``SamplingParams``; a 400 naming the field for a bad value."""
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise ApiError(f"stop: {len(stops)} strings of {sum(map(len, stops))} characters; "
+                       f"this server takes at most {MAX_STOP_STRINGS} strings of "
+                       f"{MAX_STOP_CHARS} characters in all")
     values: dict[str, Any] = {}
     for name, neutral in _PASSED.items():
         value = getattr(request, name)
