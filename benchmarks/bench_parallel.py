@@ -324,6 +324,7 @@ def failover_run(args: argparse.Namespace, signame: str, batch: list[dict[str, A
     signum = getattr(signal, signame)
     total = len(batch) * args.max_tokens
     with LLM(args.model, data_parallel_size=2, replica_restart=True, num_threads=args.threads,
+             quantization=args.quantization,
              max_model_len=args.prompt_len + args.max_tokens + 16) as llm:
         timed(llm, batch[:2], SamplingParams(max_tokens=4))
         clean_s, clean = timed(llm, batch, params)
@@ -383,8 +384,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker (1: the layouts compare fairly)")
     parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
-                        help="dense part: the GGUF's weights packed (auto, LLM's default) or "
-                             "dequantised to float32 (none)")
+                        help="dense and failover parts: the GGUF's weights packed (auto, LLM's "
+                             "default) or dequantised to float32 (none)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="dense part: every layout schedules its next step while the "
                              "current one runs")
