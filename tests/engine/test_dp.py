@@ -187,3 +187,28 @@ def test_asyncio_engine_over_two_replicas() -> None:
     with AsyncLLM(llm=fake_llm(data_parallel_size=2)) as engine:
         results = asyncio.run(main(engine))
     assert results == expected(params)
+
+
+def test_the_failed_replicas_teardown_aborts_none_of_the_requests_it_hands_over() -> None:
+    """A replica failed over while its scheduler still holds requests (it
+    died idle, or its DP group join failed): they are re-queued on the
+    survivor, and the failed replica's teardown (``Engine.shutdown``, which
+    aborts what its scheduler holds) must not finish them.  It used to: a
+    waiting request came back ABORTed, a running one crashed the teardown
+    thread on ``deque.remove``."""
+    from mpexec.engine.request import Request
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with fake_llm(data_parallel_size=2, replica_restart=True) as llm:
+        engine = llm.engine
+        engine.backoff_s = 30.0  # the failed replica stays down during the test
+        failed = engine.replicas[1]
+        held = [Request(f"held-{i}", list(p["prompt_token_ids"]), params)
+                for i, p in enumerate(PROMPTS[:3])]
+        for request in held:
+            failed.scheduler.add_request(request)
+        engine._fail_over([(1, failed, held, RuntimeError("test: replica 1 failed"))])
+        engine._teardowns[1].join(30)
+        assert not engine._teardowns[1].is_alive()
+        states = [(r.is_finished, r.finish_reason) for r in held]
+    assert states == [(False, None)] * 3, states  # (the shutdown after aborts them)

@@ -82,6 +82,19 @@ def wait_for_restarts(llm: Any, count: int) -> None:
     assert failover.restarts == count, failover.events
 
 
+def step_until_restarts(llm: Any, count: int) -> None:
+    """``wait_for_restarts``, stepping meanwhile: a replica whose worker was
+    frozen while it held no request is failed over at the next step (the
+    front end notices a replica that died idle when it steps), and the
+    generate before may have finished without another step."""
+    failover = llm.engine.failover
+    deadline = time.monotonic() + WAIT_S
+    while failover.restarts < count and time.monotonic() < deadline:
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))
+        time.sleep(0.1)
+    assert failover.restarts == count, failover.events
+
+
 def kill_midway(llm: Any, rank: int, after_tokens: int) -> tuple[Any, list[int]]:
     killed: list[int] = []
 
@@ -169,7 +182,7 @@ def test_replica_frozen_while_the_dp_group_forms_is_restarted(
         started = time.monotonic()
         outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         took = time.monotonic() - started
-        wait_for_restarts(llm, 2)
+        step_until_restarts(llm, 2)
         again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         after = on_every_replica(llm, dp_world)
         failover = engine.failover

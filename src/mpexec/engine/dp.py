@@ -342,7 +342,9 @@ class DataParallelEngine:
         units: set[tuple[int, ...]] = set()
         moved: list[Request] = []
         with self._lock:
-            for rank, _, requests in down:
+            for rank, engine, requests in down:
+                # the teardown below must not abort what moves to the survivors
+                engine.scheduler.hand_over()
                 self.replicas[rank] = None
                 moved += requests
                 units.add(self._unit(rank))

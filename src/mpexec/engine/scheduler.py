@@ -224,6 +224,17 @@ class Scheduler:
             self._finish(request, FinishReason.ABORT)
         return aborted
 
+    def hand_over(self) -> None:
+        """Forget every request without finishing it: its engine failed and they
+        go on elsewhere (``DataParallelEngine`` re-queues them).  A shutdown
+        after this aborts nothing, so the teardown of the failed replica cannot
+        finish a request another replica now runs."""
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self._loading.clear()
+        self._in_flight.clear()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
