@@ -96,7 +96,6 @@ def write_tiny_gguf(
         _add_gguf_tokenizer(writer, hf_dir, config["vocab_size"])
 
     gguf_names = {v: k for k, v in _gguf_name_table(config["num_hidden_layers"]).items()}
-    quant = gguf.GGMLQuantizationType[qtype]
     rng = np.random.Generator(np.random.PCG64(1))
     for hf, values in tensors.items():
         name = gguf_names[hf]
@@ -108,16 +107,32 @@ def write_tiny_gguf(
             heads = values.shape[0] // head_dim
             values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
                       .swapaxes(1, 2).reshape(values.shape))
-        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
-        if values.ndim == 2 and qtype != "F32" and whole_blocks:
-            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
+        _add_weight(writer, name, values, qtype, rng)
+    _write_out(writer)
+    return path
+
+
+
+def _add_weight(writer: Any, name: str, values: Any, qtype: str, rng: Any) -> None:
+    """``values`` as tensor ``name``: in ``qtype`` when it is a matrix whose rows
+    are whole blocks of it, else as float32."""
+    import gguf
+    import numpy as np
+
+    quant = gguf.GGMLQuantizationType[qtype]
+    whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
+    if values.ndim == 2 and qtype != "F32" and whole_blocks:
+        writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(values))
+
+
+def _write_out(writer: Any) -> None:
+    """Header, metadata and tensors to the file, closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _llama3_factors(head_dim: int, base: float, scaling: dict[str, Any]) -> Any:
@@ -281,7 +296,6 @@ def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32
         "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
     names += ["token_embd.weight", "output_norm.weight", "output.weight"]
     gguf_names = {hf_name(n, arch): n for n in names}
-    quant = gguf.GGMLQuantizationType[qtype]
     rng = np.random.Generator(np.random.PCG64(1))
     for hf, values in tensors.items():
         name = gguf_names.get(hf)
@@ -290,15 +304,8 @@ def write_family_gguf(path: str | Path, hf_dir: str | Path, *, qtype: str = "F32
         values = values.astype(np.float32)
         if features.norm_offset and name.endswith("norm.weight"):
             values = values + np.float32(features.norm_offset)
-        whole_blocks = values.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
-        if values.ndim == 2 and qtype != "F32" and whole_blocks:
-            writer.add_tensor(name, _quantize(values, quant, rng), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        _add_weight(writer, name, values, qtype, rng)
+    _write_out(writer)
     return path
 
 
@@ -366,10 +373,7 @@ def write_moe_gguf(path: str | Path, hf_dir: str | Path) -> Path:
             values = (values.reshape(heads, 2, head_dim // 2, *values.shape[1:])
                       .swapaxes(1, 2).reshape(values.shape))
         writer.add_tensor(name, np.ascontiguousarray(values))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return path
 
 
@@ -496,10 +500,7 @@ def quantize_gguf(source: str | Path, path: str | Path, qtype: str, *,
                               raw_dtype=quant)
         else:
             writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return Path(path)
 
 
