@@ -206,6 +206,34 @@ def _set_dispatch(wrapper: Any, dispatch: str) -> list[str]:
     return before
 
 
+def one_replica_then_split(path: Path, before: Any = None, after: Any = None,
+                           **llm_kwargs: Any) -> list[list[list[int]]]:
+    """Greedy tokens of 5 requests of uneven lengths on one replica, then on
+    DP=2 x TP=1 with EP (the replicas in lockstep: one runs out of work first
+    and idles in dummy steps); ``before(llm)`` / ``after(llm)`` run around the
+    split run's generate."""
+    from mpexec.engine.llm import LLM
+
+    g = torch.Generator().manual_seed(8)
+    prompts_ = [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
+                for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True)
+              for i in range(5)]
+    results = []
+    for dp, ep in ((1, False), (2, True)):
+        with LLM(str(path), data_parallel_size=dp, enable_expert_parallel=ep,
+                 num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
+                 shutdown_grace_s=5.0, **llm_kwargs) as llm:
+            if ep and before is not None:
+                before(llm)
+            results.append([o.token_ids for o in llm.generate(prompts_, params)])
+            if ep:
+                assert llm.engine.lockstep and llm.engine.dummy_steps > 0
+                if after is not None:
+                    after(llm)
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["all_to_all", "all_gather"])
 def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path, dispatch: str,
@@ -213,30 +241,20 @@ def test_experts_split_across_two_replicas_match_one(moe_with_tokenizer: Path, d
     """DP=2 x TP=1 with EP: one EP group of both replicas' ranks (3 + 2 experts),
     the replicas in lockstep, an idle one running dummy batches; the tokens go
     to their experts by all-to-all (the default) or by all-gather."""
-    from mpexec.engine.llm import LLM
+    groups: list[Any] = []
 
-    g = torch.Generator().manual_seed(8)
-    prompts_ = [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
-                for i in range(5)]
-    # uneven lengths: one replica runs out of work first and idles in dummy steps
-    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True)
-              for i in range(5)]
-    results = []
-    for dp, ep in ((1, False), (2, True)):
-        with LLM(str(moe_with_tokenizer), data_parallel_size=dp, enable_expert_parallel=ep,
-                 num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
-                 shutdown_grace_s=5.0) as llm:
-            if ep:
-                for engine in llm.engine.replicas:
-                    before = engine.executor.collective_rpc(_set_dispatch, args=(dispatch,))
-                    assert before == [["all_to_all"] * 3]
-            results.append([o.token_ids for o in llm.generate(prompts_, params)])
-            if ep:
-                assert llm.engine.lockstep and llm.engine.dummy_steps > 0
-                groups = [e.executor.collective_rpc(_dp_and_ep_groups)
-                          for e in llm.engine.replicas]
+    def set_dispatch(llm: Any) -> None:
+        for engine in llm.engine.replicas:
+            before = engine.executor.collective_rpc(_set_dispatch, args=(dispatch,))
+            assert before == [["all_to_all"] * 3]
+
+    def read_groups(llm: Any) -> None:
+        groups.extend(e.executor.collective_rpc(_dp_and_ep_groups) for e in llm.engine.replicas)
+
+    one, split = one_replica_then_split(moe_with_tokenizer, before=set_dispatch,
+                                        after=read_groups)
     assert groups == [[(0, 2, 0, 2)], [(1, 2, 1, 2)]]
-    assert results[0] == results[1]
+    assert one == split
 
 
 def _stop_replica_midway(llm: Any, rank: int, after_tokens: int, signum: int) -> Any:

@@ -246,22 +246,10 @@ def test_packed_experts_split_across_two_replicas_match_one(gguf_with_tokenizer:
     """DP=2 x TP=1 with EP (3 + 2 packed experts, the tokens dispatched
     all-to-all, an idle replica in dummy steps) gives one replica's tokens:
     each row goes through the same packed expert either way, computed alone."""
-    from mpexec.engine.llm import LLM
+    from tests.models.test_moe import one_replica_then_split
 
-    g = torch.Generator().manual_seed(8)
-    prompts_ = [{"prompt_token_ids": torch.randint(4, 389, (3 + 3 * i,), generator=g).tolist()}
-                for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True)
-              for i in range(5)]
-    results = []
-    for dp, ep in ((1, False), (2, True)):
-        with LLM(str(gguf_with_tokenizer), data_parallel_size=dp, enable_expert_parallel=ep,
-                 num_threads=1, block_size=4, kv_cache_memory_bytes=16 << 20,
-                 shutdown_grace_s=5.0, quantization="auto") as llm:
-            results.append([o.token_ids for o in llm.generate(prompts_, params)])
-            if ep:
-                assert llm.engine.lockstep and llm.engine.dummy_steps > 0
-    assert results[0] == results[1]
+    one, split = one_replica_then_split(gguf_with_tokenizer, quantization="auto")
+    assert one == split
 
 
 @pytest.fixture
