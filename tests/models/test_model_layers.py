@@ -22,6 +22,7 @@ from tests.models.model_run_support import run_ranks, save_random_llama  # noqa:
 
 from mpexec.models.kv_cache import KVCache, ScheduledRequest, build_attention_batch  # noqa: E402
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
+from mpexec.models.layers.quantized import SplitRows, row_splits, splitting  # noqa: E402
 from mpexec.models.layers.rotary import rope_tables  # noqa: E402
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
 from mpexec.models.loader import Checkpoint, open_checkpoint  # noqa: E402
@@ -56,18 +57,26 @@ def new_cache(stage: LlamaStage, blocks: int = 64) -> KVCache:
 
 
 def run(stage: LlamaStage, cache: KVCache, chunks: list[tuple[list[int], list[int], int]],
-        verify: bool = False, argmax_only: bool = False) -> Any:
+        verify: bool = False, argmax_only: bool = False,
+        prompt_lens: list[int] | None = None) -> Any:
     """One step: per request (tokens, block table, start); logits of every row
     (``verify``: each chunk is a decode token with its drafts; ``argmax_only``:
-    the head's pass for greedy sampling, see ``ParallelLMHead``)."""
+    the head's pass for greedy sampling, see ``ParallelLMHead``; ``prompt_lens``:
+    each request's prompt length, for packed weights to split the rows as the
+    worker does, else every row splits)."""
     layout = [ScheduledRequest(blocks, start, len(tokens), verify)
               for tokens, blocks, start in chunks]
     ids = torch.tensor([t for tokens, _, _ in chunks for t in tokens])
     positions = torch.tensor([start + i for tokens, _, start in chunks
                               for i in range(len(tokens))])
     batch = build_attention_batch(layout, BLOCK, CPU)
-    hidden, residual = stage.forward(positions=positions, batch=batch, cache=cache,
-                                     token_ids=ids)
+    rule = None if prompt_lens is None else SplitRows(torch.tensor(
+        [row_splits(start + i, length) for (tokens, _, start), length in zip(chunks, prompt_lens,
+                                                                        strict=True)
+         for i in range(len(tokens))]))
+    with splitting(rule):
+        hidden, residual = stage.forward(positions=positions, batch=batch, cache=cache,
+                                         token_ids=ids)
     return stage.compute_logits(hidden, residual, torch.arange(len(ids)), argmax_only)
 
 

@@ -38,11 +38,11 @@ from tests.models.test_model_layers import CPU  # noqa: E402
 
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
 from mpexec.models.layers.quantized import (  # noqa: E402
-    SPLIT_ROWS,
     ExpertRows,
     Int4Weight,
     Int8GroupWeight,
     PaddedColumns,
+    SplitRows,
 )
 from mpexec.models.llama import load_stage  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
@@ -77,20 +77,26 @@ def _weight(kind: str, out: int, columns: int, generator: Any) -> Any:
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "padded"])
 @pytest.mark.parametrize("counts", [[2, 0, 3, 1, 0], [20, 0, 30, 15, 5], [0, 0, 0]])
-def test_expert_rows_multiply_each_row_by_its_experts_weight(kind: str,
-                                                             counts: list[int]) -> None:
-    """Each row as its expert's weight computes it alone: exactly, at a decode
-    step's size (rows split into bfloat16 high + low) and beyond SPLIT_ROWS
-    (rounded once, as the dense weights do for a prefill chunk)."""
+@pytest.mark.parametrize("rule", ["every", "none", "mixed"])
+def test_expert_rows_multiply_each_row_by_its_experts_weight(kind: str, counts: list[int],
+                                                             rule: str) -> None:
+    """Each row exactly as its expert's weight computes it alone, split into
+    bfloat16 high + low or rounded once as the row's own rule says."""
     generator = torch.Generator().manual_seed(0)
     weights = [_weight(kind, 40, 64, generator) for _ in counts]
-    x = torch.randn(sum(counts), weights[0].in_features, generator=generator)
-    got = ExpertRows(counts, CPU).matmul(x, weights)
-    split = sum(counts) <= SPLIT_ROWS
-    want = torch.cat([weight(rows, split) for weight, rows in
-                      zip(weights, x.split(counts), strict=True)])
-    assert got.shape == (sum(counts), 40)
-    assert torch.equal(got, want)
+    total = sum(counts)
+    x = torch.randn(total, weights[0].in_features, generator=generator)
+    mask = {"every": torch.ones(total, dtype=torch.bool),
+            "none": torch.zeros(total, dtype=torch.bool),
+            "mixed": torch.rand(total, generator=generator) < 0.3}[rule]
+    got = ExpertRows(counts, CPU, SplitRows(mask)).matmul(x, weights)
+    expert_of = [expert for expert, count in enumerate(counts) for _ in range(count)]
+    want = [weights[expert](x[row:row + 1], bool(mask[row]))
+            for row, expert in enumerate(expert_of)]
+    assert got.shape == (total, 40)
+    assert torch.equal(got, torch.cat(want) if want else got)
+    if rule == "every":  # the default when no rule is given
+        assert torch.equal(ExpertRows(counts, CPU).matmul(x, weights), got)
 
 
 # ── tiny quantised MoE checkpoints ───────────────────────────────────────────

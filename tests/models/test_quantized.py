@@ -30,6 +30,8 @@ from mpexec.models.layers.quantized import (  # noqa: E402
     Int4Weight,
     Int8GroupWeight,
     PaddedColumns,
+    SplitRows,
+    splitting,
 )
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
 from mpexec.models.loader import open_checkpoint  # noqa: E402
@@ -132,6 +134,64 @@ def test_padded_columns_multiply_like_the_slice() -> None:
                                rtol=0)
 
 
+def _packed(kind: str) -> Any:
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 256 if kind == "int8" else 16, (48, 96), generator=generator,
+                      dtype=torch.uint8)
+    scale = torch.rand(48, 3, generator=generator) * 0.01 + 0.001
+    if kind == "int8":
+        return Int8GroupWeight(q, scale, -128 * scale)
+    weight = Int4Weight(q, scale, -8 * scale)
+    return PaddedColumns(weight, 8, 24) if kind == "padded" else weight
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "padded"])
+def test_a_rows_result_follows_its_own_rule_whatever_shares_its_step(kind: str) -> None:
+    """Under a step's rule each row is exactly what it is alone under its own
+    (split or rounded once), at a decode step's size and a prefill's."""
+    weight = _packed(kind)
+    generator = torch.Generator().manual_seed(5)
+    for count in (3, 100):
+        x = torch.randn(count, weight.in_features, generator=generator)
+        mask = torch.rand(count, generator=generator) < 0.5
+        with splitting(SplitRows(mask)):
+            got = weight(x)
+        alone = torch.cat([weight(x[row:row + 1], bool(mask[row])) for row in range(count)])
+        assert torch.equal(got, alone)
+        assert not torch.equal(got, weight(x, False))  # the split rows differ from rounded
+    assert torch.equal(weight(x), torch.cat([weight(x[r:r + 1]) for r in range(count)]))
+
+
+def test_a_packed_matmul_refuses_a_rule_for_other_rows() -> None:
+    weight = _packed("int4")
+    with splitting(SplitRows(torch.ones(4, dtype=torch.bool))), \
+            pytest.raises(ValueError, match="on 5 rows in a step of 4"):
+        weight(torch.randn(5, weight.in_features))
+
+
+def test_the_worker_splits_by_token_not_by_step() -> None:
+    """Short prompts split every row, a long prompt only its last token and
+    what follows; a request re-queued with its outputs (``num_prompt_tokens``
+    its own prompt) splits those outputs as its decode steps did."""
+    from mpexec.models.layers.quantized import SPLIT_PROMPT
+    from mpexec.models.step import RequestTable
+    from mpexec.outputs import NewRequestData, SamplingParams, SchedulerOutput
+
+    long = SPLIT_PROMPT + 6
+    params = SamplingParams(temperature=0)
+    table = RequestTable(default_seed=0)
+    output = SchedulerOutput(scheduled_new_reqs=[
+        NewRequestData("short", [1] * 5, params, [0]),
+        NewRequestData("long", [2] * long, params, list(range(1, 7))),
+        NewRequestData("again", [3] * (long + 3), params, list(range(7, 13)),
+                       num_prompt_tokens=long)],
+        scheduled_tokens={"short": [1] * 5, "long": [2] * long, "again": [3] * (long + 3)})
+    table.update(output)
+    step = table.prepare(output)
+    assert step.split == [True] * 5 + [False] * (long - 1) + [True] \
+        + [False] * (long - 1) + [True] * 4
+
+
 # ── whole models from tiny GGUFs ─────────────────────────────────────────────
 
 @pytest.fixture(scope="module")
@@ -166,12 +226,13 @@ def greedy(stage: LlamaStage) -> tuple[list[Any], list[list[int]]]:
     prompt_logits, outputs = [], []
     for index, prompt in enumerate(PROMPTS):
         blocks = list(range(index * 8, index * 8 + 8))
-        logits = run(stage, cache, [(prompt, blocks, 0)])
+        logits = run(stage, cache, [(prompt, blocks, 0)], prompt_lens=[len(prompt)])
         prompt_logits.append(logits)
         tokens, last = [], logits[-1]
         for step in range(NEW_TOKENS):
             tokens.append(int(last.argmax()))
-            last = run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)])[0]
+            last = run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)],
+                       prompt_lens=[len(prompt)])[0]
         outputs.append(tokens)
     return prompt_logits, outputs
 
@@ -190,6 +251,29 @@ def test_packed_model_matches_the_dequantised_one(tiny_ggufs: dict[str, Path],
     for got, want in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(got, want, atol=RELATIVE * want.abs().max().item(), rtol=0)
     assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_a_requests_logits_do_not_depend_on_what_shares_its_step(
+        tiny_ggufs: dict[str, Path], qtype: str) -> None:
+    """A short prompt, then its decode step, each alone and each beside a
+    long prompt's prefill (a step of over 64 rows, which once rounded every
+    row): the same logits, bit for bit."""
+    stage = build(tiny_ggufs[qtype], "auto")
+    prompt, long = PROMPTS[0], [(7 * i) % 380 + 3 for i in range(90)]
+    mine, other = list(range(8)), list(range(8, 40))
+
+    def steps(beside: bool) -> list[Any]:
+        cache = new_cache(stage, blocks=40)
+        first = [(prompt, mine, 0)] + [(long, other, 0)] * beside
+        lens = [len(prompt)] + [len(long)] * beside
+        logits = run(stage, cache, first, prompt_lens=lens)
+        token = int(logits[len(prompt) - 1].argmax())
+        second = [([token], mine, len(prompt))] + [([5], other, len(long))] * beside
+        return [logits[:len(prompt)], run(stage, cache, second, prompt_lens=lens)[0]]
+
+    for alone, beside in zip(steps(False), steps(True), strict=True):
+        assert torch.equal(alone, beside)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
@@ -386,13 +470,14 @@ def greedy_run(stage: LlamaStage, prompt: list[int], forced: list[int] | None,
     as the worker runs greedy requests)."""
     blocks = list(range(-(-(len(prompt) + steps) // BLOCK)))
     cache = new_cache(stage, blocks=len(blocks))
-    rows = [run(stage, cache, [(prompt, blocks, 0)], argmax_only=argmax_only)[-1]]
+    rows = [run(stage, cache, [(prompt, blocks, 0)], argmax_only=argmax_only,
+                prompt_lens=[len(prompt)])[-1]]
     tokens: list[int] = []
     for step in range(steps):
         tokens.append(forced[step] if forced is not None else int(rows[-1].argmax()))
         if step < steps - 1:
             rows.append(run(stage, cache, [(tokens[-1:], blocks, len(prompt) + step)],
-                            argmax_only=argmax_only)[0])
+                            argmax_only=argmax_only, prompt_lens=[len(prompt)])[0])
     return torch.stack(rows), tokens
 
 

@@ -29,6 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from mpexec.models.kv_cache import ScheduledRequest
+from mpexec.models.layers.quantized import row_splits
 from mpexec.models.sampler import SampleRequest, TokenHistory
 from mpexec.outputs import PLACEHOLDER_TOKEN_ID, SamplingParams, SchedulerOutput
 
@@ -70,6 +71,8 @@ class PreparedStep:
     sample_requests: list[SampleRequest]  # one per sample row
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # one per request that samples
+    # per row: do packed weights split its activations (``layers.quantized``)
+    split: list[bool] = field(default_factory=list)
 
 
 class RequestTable:
@@ -143,6 +146,7 @@ class RequestTable:
                     state.token_ids.append(token)
                 step.token_ids.append(token)
                 step.positions.append(position)
+                step.split.append(row_splits(position, state.num_prompt_tokens))
             # a decode token with drafts: its rows attend as decode rows do
             verify = bool(scheduler_output.scheduled_spec_decode_tokens.get(req_id))
             step.layout.append(ScheduledRequest(state.block_ids, start, len(tokens), verify))

@@ -66,6 +66,7 @@ from mpexec.models.kv_connector import (
     create_connector,
 )
 from mpexec.models.layers.parallel import SingleRankGroup
+from mpexec.models.layers.quantized import SplitRows, splitting
 from mpexec.models.llama import LlamaStage, load_stage
 from mpexec.models.ngram import SpeculativeConfig
 from mpexec.models.prefill_parallel import PcpBatch, gather_rows, rows_layout, split_step
@@ -360,10 +361,12 @@ class ModelWorker(WorkerBase):
 
     def _run_stage(self, token_ids: list[int], positions: list[int],
                    layout: list[ScheduledRequest], sample_rows: list[int],
-                   cache: KVCache, argmax_only: bool = False) -> torch.Tensor | None:
+                   cache: KVCache, argmax_only: bool = False,
+                   split_rows: list[bool] | None = None) -> torch.Tensor | None:
         """This stage's forward; the logits of ``sample_rows`` on the last stage
         (``argmax_only``: exact where they decide each row's argmax, see
-        ``ParallelLMHead``)."""
+        ``ParallelLMHead``).  ``split_rows``: the rows whose activations packed
+        weights split (``PreparedStep.split``; ``None``: every row)."""
         stage = self._require_stage()
         device = self.device
         batch: AttentionBatch | DcpBatch | PcpBatch
@@ -375,6 +378,7 @@ class ModelWorker(WorkerBase):
                                                    device),
                              whole.slot_mapping, [b - a for a, b in split], self.pcp_group)
             token_ids, positions = token_ids[lo:hi], positions[lo:hi]
+            split_rows = None if split_rows is None else split_rows[lo:hi]
             self.pcp_split_steps += 1
         elif self.dcp_size > 1:
             batch = build_dcp_batch(layout, self.block_size, self.dcp_size, self.dcp_rank, device)
@@ -385,15 +389,18 @@ class ModelWorker(WorkerBase):
             for index in range(len(stage.layers)):
                 connector.wait_for_layer_load(index)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
-        if self.is_first_stage:
-            ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-            hidden, residual = stage.forward(positions=position_tensor, batch=batch,
-                                             cache=cache, token_ids=ids)
-        else:
-            received = self.pp_group.recv_tensor_dict(src=self.pp_group.rank_in_group - 1)
-            hidden, residual = stage.forward(positions=position_tensor, batch=batch,
-                                             cache=cache, hidden=received["hidden"],
-                                             residual=received["residual"])
+        rule = None if split_rows is None else \
+            SplitRows(torch.tensor(split_rows, dtype=torch.bool, device=device))
+        with splitting(rule):
+            if self.is_first_stage:
+                ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+                hidden, residual = stage.forward(positions=position_tensor, batch=batch,
+                                                 cache=cache, token_ids=ids)
+            else:
+                received = self.pp_group.recv_tensor_dict(src=self.pp_group.rank_in_group - 1)
+                hidden, residual = stage.forward(positions=position_tensor, batch=batch,
+                                                 cache=cache, hidden=received["hidden"],
+                                                 residual=received["residual"])
         if connector is not None:
             for index in range(len(stage.layers)):
                 connector.save_kv_layer(index, cache.layer(index))
@@ -429,7 +436,7 @@ class ModelWorker(WorkerBase):
         rows = step.sample_rows + prompt_rows
         order = sorted(range(len(rows)), key=rows.__getitem__)
         logits = self._run_stage(step.token_ids, step.positions, step.layout,
-                                 [rows[i] for i in order], self.cache)
+                                 [rows[i] for i in order], self.cache, split_rows=step.split)
         if logits is None:
             return None, None
         inverse = torch.empty(len(order), dtype=torch.int64)
@@ -466,7 +473,7 @@ class ModelWorker(WorkerBase):
             if not prompt_rows:
                 logits = self._run_stage(step.token_ids, step.positions, step.layout,
                                          step.sample_rows, self.cache,
-                                         argmax_suffices(step.sample_requests))
+                                         argmax_suffices(step.sample_requests), step.split)
             else:
                 logits, prompt_logits = self._run_with_prompt_rows(step, prompt_rows)
         if connector is not None:

@@ -60,6 +60,11 @@ experts take the sorted rows the same way, through the packed kernels: the
 rows are cut once into the kernels' bfloat16 ``[high; low]`` pairs, laid out
 expert by expert (``quantized.ExpertRows``), so that each expert hit is one
 kernel call on a contiguous block and its result one slice of the output.
+Which rows split is each token's own (``quantized.SplitRows``, the step's
+rule): it follows the pairs through the sort, and across replicas it travels
+with the rows (a flag column beside the gathered rows, a bit above the
+expert id beside the dispatched ones), so an expert computes a token the same
+whatever else it is given.
 """
 
 from __future__ import annotations
@@ -68,7 +73,16 @@ import torch
 import torch.nn.functional as F
 
 from mpexec.models.layers.parallel import ParallelGroup
-from mpexec.models.layers.quantized import ExpertRows, PackedWeight, Weight, matmul
+from mpexec.models.layers.quantized import (
+    ExpertRows,
+    PackedWeight,
+    SplitRows,
+    Weight,
+    matmul,
+    step_rows,
+)
+
+_SPLIT_BIT = 40  # above any expert id: a dispatched pair's "this row splits" flag
 
 # one projection of the held experts: stacked float [experts, out, in], or packed per expert
 Experts = torch.Tensor | list[PackedWeight]
@@ -121,9 +135,20 @@ class MoEBlock:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(hidden.dtype), ids
 
-    def local_experts(self, hidden: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial output: its experts on the tokens routed to them."""
+    @property
+    def packed(self) -> bool:
+        return self.gate_up_t is None
+
+    def _split_rule(self, hidden: torch.Tensor) -> SplitRows | None:
+        """The step's rule for ``hidden``'s rows, where the experts are packed."""
+        if not self.packed:
+            return None
+        return step_rows(hidden.shape[0]) or SplitRows.every(hidden.shape[0], hidden.device)
+
+    def local_experts(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      split: SplitRows | None = None) -> torch.Tensor:
+        """This rank's partial output: its experts on the tokens routed to them
+        (``split``: which of ``hidden``'s rows split, packed experts only)."""
         out = torch.zeros_like(hidden)
         flat = ids.reshape(-1)  # (token, slot) pairs, token-major
         if self.num_local == self.router.shape[0]:  # every expert is here
@@ -139,7 +164,8 @@ class MoEBlock:
             order = pairs[order]
         counts = torch.bincount(local, minlength=self.num_local).tolist()
         tokens = order // self.top_k
-        y = self._expert_rows(hidden.index_select(0, tokens), counts)
+        y = self._expert_rows(hidden.index_select(0, tokens), counts,
+                              None if split is None else split.take(tokens))
         y.mul_(weights.reshape(-1)[order, None])
         # one scatter; a token's contributions are added in expert order
         return out.index_add_(0, tokens, y)
@@ -151,7 +177,7 @@ class MoEBlock:
                 return self._all_to_all(hidden)
             return self._across_replicas(hidden, self.dp_group)
         weights, ids = self.route(hidden)
-        out = self.local_experts(hidden, weights, ids)
+        out = self.local_experts(hidden, weights, ids, self._split_rule(hidden))
         if self.shared is not None:
             out = out + self.shared(hidden)
         if self.group.world_size > 1:
@@ -161,9 +187,17 @@ class MoEBlock:
     def _across_replicas(self, hidden: torch.Tensor, dp_group: ParallelGroup) -> torch.Tensor:
         count = torch.tensor([[float(hidden.shape[0])]], device=hidden.device)
         counts = [int(c) for c in dp_group.all_gather(count, dim=0).view(-1).tolist()]
-        everyone = dp_group.all_gather(hidden, dim=0)
+        rule = self._split_rule(hidden)
+        split = None
+        if rule is None:
+            everyone = dp_group.all_gather(hidden, dim=0)
+        else:  # each row's rule rides beside it, as a last column of 0 or 1
+            flagged = torch.cat((hidden, rule.mask.to(hidden.dtype).unsqueeze(1)), dim=1)
+            gathered = dp_group.all_gather(flagged, dim=0)
+            everyone = gathered[:, :-1].contiguous()
+            split = SplitRows(gathered[:, -1] != 0)
         weights, ids = self.route(everyone)
-        out = self.group.all_reduce(self.local_experts(everyone, weights, ids))
+        out = self.group.all_reduce(self.local_experts(everyone, weights, ids, split))
         start = sum(counts[:dp_group.rank_in_group])
         mine = out[start:start + hidden.shape[0]]
         if self.shared is not None:
@@ -186,12 +220,18 @@ class MoEBlock:
         splits = torch.bincount(owner, minlength=group.world_size).tolist()
         token_idx = order // self.top_k
         row_bytes = hidden.shape[1] * hidden.element_size()
+        tagged = flat_ids[order]
+        rule = self._split_rule(hidden)
+        if rule is not None:  # a split row's pairs carry a bit above the expert id
+            tagged = tagged | (rule.mask[token_idx].to(torch.int64) << _SPLIT_BIT)
         sent = torch.cat([hidden[token_idx].view(torch.uint8).reshape(-1, row_bytes),
-                          flat_ids[order].view(torch.uint8).reshape(-1, 8)], dim=1)
+                          tagged.view(torch.uint8).reshape(-1, 8)], dim=1)
         received, counts = group.all_to_all(sent, splits)
         x = received[:, :row_bytes].contiguous().view(hidden.dtype)
-        expert = received[:, row_bytes:].contiguous().view(torch.int64).reshape(-1)
-        y = self._run_experts(x, expert - self.expert_start)
+        tags = received[:, row_bytes:].contiguous().view(torch.int64).reshape(-1)
+        expert = tags & ((1 << _SPLIT_BIT) - 1)
+        split = SplitRows((tags >> _SPLIT_BIT) != 0) if rule is not None else None
+        y = self._run_experts(x, expert - self.expert_start, split)
         back, _ = group.all_to_all(y, counts)
         # each rank's outputs summed apart, then rank by rank (the EP all-reduce's order)
         weighted = back * weights.reshape(-1)[order, None]
@@ -208,21 +248,24 @@ class MoEBlock:
             out = out + self.shared(hidden)
         return out
 
-    def _run_experts(self, x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _run_experts(self, x: torch.Tensor, local: torch.Tensor,
+                     split: SplitRows | None) -> torch.Tensor:
         """Unweighted outputs of local expert ``local[i]`` on row ``x[i]``, in row order."""
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.num_local).tolist()
         out = torch.empty_like(x)
-        out[order] = self._expert_rows(x.index_select(0, order), counts)
+        out[order] = self._expert_rows(x.index_select(0, order), counts,
+                                       None if split is None else split.take(order))
         return out
 
-    def _expert_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _expert_rows(self, x: torch.Tensor, counts: list[int],
+                     split: SplitRows | None = None) -> torch.Tensor:
         """Unweighted expert outputs of rows sorted by local expert, ``counts[e]``
         rows for expert ``e``: two matmuls per expert hit (float: into one
         buffer each; packed: ``ExpertRows``), one activation over every row."""
         packed = None
         if self.gate_up_t is None or self.down_t is None:
-            packed = ExpertRows(counts, x.device)
+            packed = ExpertRows(counts, x.device, split)
         gate_up = _project(x, self.gate_up, self.gate_up_t, counts, packed)
         act = F.silu(gate_up[:, :self.rows]).mul_(gate_up[:, self.rows:])
         return _project(act, self.down, self.down_t, counts, packed)

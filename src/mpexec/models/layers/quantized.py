@@ -25,55 +25,124 @@ it was slower than two int4 matmuls (11.8 ms against 10.9).
 Both kernels take bfloat16 activations (on this AVX-512 BF16 CPU the float32
 and float16 paths are 10-30× slower than a float32 matmul: a reference loop).
 Rounding ``x`` to bfloat16 costs 8 of float32's 24 bits, which moved
-SmolLM2's logits by up to 0.8 and flipped greedy choices, so a step of up to
-``SPLIT_ROWS`` rows passes ``x`` as two bfloat16 parts::
+SmolLM2's logits by up to 0.8 and flipped greedy choices, so a row that
+samples passes ``x`` as two bfloat16 parts::
 
     high = bf16(x),  low = bf16(x − high)      (x = high + low to ~2⁻¹⁶)
     W·x  = W·high + W·low                      one kernel call on [high; low]
 
-At batch 1 a decode step reads the weight once either way (the kernels are
-bound by the weight bytes), so the second row costs little; beyond
-``SPLIT_ROWS`` (prefill chunks) the kernel is compute-bound and ``x`` is
-rounded once.  The result is still rounded to bfloat16 (the kernels' output
-type) and the scales are bfloat16; the head's top logits are re-scored
-exactly (``embedding.ParallelLMHead``).  Each row is computed alone: its
-result does not depend on the other rows of the call.  The int4 packer wants
-whole tiles of 16 output rows: the weight is padded with zero rows and the
-padding trimmed from each result.
+Which rows split is a property of the token, never of the step it runs in
+(``row_splits``): every token of a prompt of up to ``SPLIT_PROMPT`` tokens,
+and of a longer prompt its last token and every token after it (the rows
+whose logits are sampled, and what each decode step feeds back); the other
+tokens of a long prompt are rounded once.  A decode row reads the weight
+once either way (the kernels are bound by the weight bytes), so its second
+row costs little; a long prompt is compute-bound (splitting all of a
+128-token SmolLM2 prefill took 1.6× as long), so its rows stay single.
+The kernels compute each row alone (its result does not depend on the
+other rows of the call), so a token comes out the same whatever shares its
+step, and a request whose prefix is recomputed (after preemption, or
+re-queued on another replica) rebuilds its KV cache with the precision it
+was first computed with — equal up to the float32 differences of the
+prefill and decode attention, which a bfloat16 result can still round one
+step apart.  The model worker passes each step's rule (``SplitRows``,
+``splitting``); without one (a layer called on its own) every row splits.  The
+result is still rounded to bfloat16 (the kernels' output type) and the
+scales are bfloat16; the head's top logits are re-scored exactly
+(``embedding.ParallelLMHead``).  The int4 packer wants whole tiles of 16
+output rows: the weight is padded with zero rows and the padding trimmed
+from each result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import accumulate
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 _KERNEL_DTYPE = torch.bfloat16
 GROUP = 32
 _ROW_TILE = 16
-SPLIT_ROWS = 64  # steps of at most this many rows pass x as bfloat16 high + low
+
+
+SPLIT_PROMPT = 64  # prompts of at most this many tokens split every row
+
+
+def row_splits(position: int, num_prompt_tokens: int) -> bool:
+    """Does the token at ``position`` of a request whose prompt has
+    ``num_prompt_tokens`` tokens pass its activations as high + low?"""
+    return num_prompt_tokens <= SPLIT_PROMPT or position >= num_prompt_tokens - 1
+
+
+class SplitRows:
+    """Which rows of a call pass ``x`` as bfloat16 high + low (the others are
+    rounded once): from a bool mask, worked out once per step."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self.count = mask.shape[0]
+        self.index = torch.nonzero(mask).view(-1)  # the split rows, ascending
+        self.all = self.index.shape[0] == self.count
+
+    @classmethod
+    def every(cls, count: int, device: torch.device | str = "cpu") -> SplitRows:
+        return cls(torch.ones(count, dtype=torch.bool, device=device))
+
+    def take(self, rows: torch.Tensor) -> SplitRows:
+        """The rule of ``rows`` (indices into these rows), in their order."""
+        return SplitRows(self.mask.index_select(0, rows))
+
+
+_STEP: ContextVar[SplitRows | None] = ContextVar("mpexec_split_rows", default=None)
+
+
+@contextmanager
+def splitting(rows: SplitRows | None) -> Iterator[None]:
+    """Within: packed weights split the rows of one step as ``rows`` says
+    (``None``: every row)."""
+    token = _STEP.set(rows)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def step_rows(count: int) -> SplitRows | None:
+    """The rule of the step being run, for a call on its ``count`` rows
+    (``None``: no rule is set, every row splits)."""
+    rows = _STEP.get()
+    if rows is not None and rows.count != count:
+        raise ValueError(f"a packed matmul on {count} rows in a step of {rows.count}")
+    return rows
 
 
 def _kernel_input(x: torch.Tensor, in_features: int,
-                  split: bool = True) -> tuple[torch.Tensor, int]:
-    """``x`` as the kernel's bfloat16 rows: ``[high; low]`` for a step of up to
-    ``SPLIT_ROWS`` rows (and ``split``), else rounded once; and the number of
-    rows of ``x``."""
+                  split: bool = True) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """``x`` as the kernel's bfloat16 rows: ``bf16(x)``, then the low parts
+    of the rows that split (the step's rule; none when not ``split``); the
+    number of rows of ``x``; and which rows split (``None``: all of them)."""
     flat = x.reshape(-1, in_features)
     count = flat.shape[0]
-    if count > SPLIT_ROWS or not split:
-        return flat.to(_KERNEL_DTYPE), count
-    wide = flat.float()
-    high = wide.to(_KERNEL_DTYPE)
-    return torch.cat((high, (wide - high.float()).to(_KERNEL_DTYPE))), count
+    rule = step_rows(count) if split else None
+    high = flat.to(_KERNEL_DTYPE)
+    if not split or (rule is not None and rule.index.shape[0] == 0):
+        return high, count, None
+    if rule is None or rule.all:
+        return torch.cat((high, (flat.float() - high.float()).to(_KERNEL_DTYPE))), count, None
+    low = (flat.index_select(0, rule.index).float()
+           - high.index_select(0, rule.index).float()).to(_KERNEL_DTYPE)
+    return torch.cat((high, low)), count, rule.index
 
 
-def _kernel_output(out: torch.Tensor, count: int) -> torch.Tensor:
+def _kernel_output(out: torch.Tensor, count: int, low_at: torch.Tensor | None) -> torch.Tensor:
     """The float32 result of the rows ``_kernel_input`` made (high + low summed)."""
     if out.shape[0] == count:
         return out.float()
-    return out[:count].float() + out[count:].float()
+    if low_at is None:
+        return out[:count].float() + out[count:].float()
+    return out[:count].float().index_add_(0, low_at, out[count:].float())
 
 
 class Int4Weight:
@@ -103,8 +172,8 @@ class Int4Weight:
         return self.packed.nbytes + self.scale_zeros.nbytes
 
     def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features, split)
-        out = _kernel_output(self.mm(rows), count)
+        rows, count, low_at = _kernel_input(x, self.in_features, split)
+        out = _kernel_output(self.mm(rows), count, low_at)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def mm(self, rows: torch.Tensor) -> torch.Tensor:
@@ -145,8 +214,9 @@ class Int8GroupWeight:
         return self.high.nbytes + self.low.nbytes
 
     def __call__(self, x: torch.Tensor, split: bool = True) -> torch.Tensor:
-        rows, count = _kernel_input(x, self.in_features, split)
-        out = _kernel_output(self.high.mm(rows), count) + self.low.mm(rows[:count]).float()
+        rows, count, low_at = _kernel_input(x, self.in_features, split)
+        out = _kernel_output(self.high.mm(rows), count, low_at) \
+            + self.low.mm(rows[:count]).float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -223,46 +293,45 @@ class ExpertRows:
     packed kernels' input: built once per MoE layer, used by each projection
     of the experts (gate/up, then down, on rows in the same order).
 
-    The rows are cut into the kernels' bfloat16 ``[high; low]`` once for all
-    experts and laid out expert by expert (one gather)::
+    The rows are cut into the kernels' bfloat16 rows once for all experts
+    and laid out expert by expert (one gather)::
 
-        rows      high(e0) low(e0) high(e1) low(e1) ...     (SPLIT_ROWS or fewer)
-                  bf16(x) as sorted                          (more: rounded once)
+        rows      high(e0) low(e0) high(e1) low(e1) ...     low: the rows that split
         kernel    one call per expert hit on its contiguous block
-        result    out[high rows] + out[low rows]             (one gather each)
+        result    out[high rows], + out[low rows] where split (one gather each)
                   (+ the int8 weights' low part, which takes the high rows only)
 
     Each row comes out exactly as its expert's own weight computes it
-    (``Int4Weight.__call__``, ``Int8GroupWeight.__call__``) with ``split``
-    as the whole step's rows decide: split when all the experts' rows
-    together are ``SPLIT_ROWS`` or fewer."""
+    (``Int4Weight.__call__``, ``Int8GroupWeight.__call__``) under ``split``,
+    the rule of the sorted rows (``None``: every row splits)."""
 
-    def __init__(self, counts: list[int], device: torch.device) -> None:
+    def __init__(self, counts: list[int], device: torch.device,
+                 split: SplitRows | None = None) -> None:
         self.counts = counts
         self.hit = [expert for expert, count in enumerate(counts) if count]
-        self.starts = list(accumulate([0, *counts]))
-        self.total = self.starts[-1]
-        self.split = self.total <= SPLIT_ROWS
-        self.order: torch.Tensor | None = None
-        self.high_at: torch.Tensor | None = None
-        self.low_at: torch.Tensor | None = None
-        if self.split and self.hit:
-            order: list[int] = []
-            high_at: list[int] = []
-            low_at: list[int] = []
-            for expert in self.hit:
-                start, count = self.starts[expert], counts[expert]
-                order += [*range(start, start + count),
-                          *range(self.total + start, self.total + start + count)]
-                high_at += range(2 * start, 2 * start + count)
-                low_at += range(2 * start + count, 2 * start + 2 * count)
-            self.order, self.high_at, self.low_at = (
-                torch.tensor(index, device=device) for index in (order, high_at, low_at))
-
-    def block(self, expert: int) -> tuple[int, int]:
-        """``[start, stop)`` of the expert's block in the kernel's rows."""
-        start, count = self.starts[expert], self.counts[expert]
-        return (2 * start, 2 * (start + count)) if self.split else (start, start + count)
+        self.total = sum(counts)
+        if split is None:
+            split = SplitRows.every(self.total, device)
+        self.split = split
+        sizes = torch.tensor(counts, device=device)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes)
+        lows = torch.bincount(expert[split.mask], minlength=len(counts))  # split rows, by expert
+        high_starts = torch.cumsum(sizes, 0) - sizes                 # in the sorted rows
+        low_starts = torch.cumsum(lows, 0) - lows                    # in the low rows
+        block_starts = high_starts + low_starts                      # in the kernel's rows
+        self.blocks = [(int(block_starts[e]), int(block_starts[e]) + counts[e] + int(lows[e]))
+                       for e in range(len(counts))]
+        row = torch.arange(self.total, device=device)
+        # where each sorted row's high part, and each split row's low part, sit
+        self.high_at = block_starts[expert] + row - high_starts[expert]
+        low_expert = expert[split.index]
+        self.low_at = block_starts[low_expert] + sizes[low_expert] \
+            + torch.arange(split.index.shape[0], device=device) - low_starts[low_expert]
+        # the kernel's rows as picked from [bf16(x); low parts]
+        self.order = torch.empty(self.total + split.index.shape[0], dtype=torch.int64,
+                                 device=device)
+        self.order[self.high_at] = row
+        self.order[self.low_at] = self.total + torch.arange(split.index.shape[0], device=device)
 
     def matmul(self, x: torch.Tensor, weights: Sequence[PackedWeight]) -> torch.Tensor:
         """``x`` ``[total, in]`` (sorted by expert) times each row's expert's
@@ -273,20 +342,17 @@ class ExpertRows:
             x = torch.nn.functional.pad(x, (first.before, first.after))
         if not self.hit:
             return x.new_empty((0, first.out_features))
-        flat = x.float()
-        if self.split:
-            assert self.order is not None
-            high = flat.to(_KERNEL_DTYPE)
-            rows = torch.cat((high, (flat - high.float()).to(_KERNEL_DTYPE))) \
-                .index_select(0, self.order)
-        else:
-            rows = flat.to(_KERNEL_DTYPE)
+        high = x.to(_KERNEL_DTYPE)
+        index = self.split.index
+        low = (x.index_select(0, index).float()
+               - high.index_select(0, index).float()).to(_KERNEL_DTYPE)
+        rows = torch.cat((high, low)).index_select(0, self.order)
         outs: list[torch.Tensor] = []
         lows: list[torch.Tensor | None] = []  # the int8 weights' low parts, by expert
         for expert in self.hit:
             weight = weights[expert]
             inner = weight.weight if isinstance(weight, PaddedColumns) else weight
-            start, stop = self.block(expert)
+            start, stop = self.blocks[expert]
             block = rows[start:stop]
             if isinstance(inner, Int8GroupWeight):
                 outs.append(inner.high.mm(block))
@@ -295,12 +361,9 @@ class ExpertRows:
                 outs.append(inner.mm(block))
                 lows.append(None)
         out = torch.cat(outs)
-        if self.split:
-            assert self.high_at is not None and self.low_at is not None
-            result = out.index_select(0, self.high_at).float() \
-                + out.index_select(0, self.low_at).float()
-        else:
-            result = out.float()
+        result = out.index_select(0, self.high_at).float()
+        if index.shape[0]:
+            result.index_add_(0, index, out.index_select(0, self.low_at).float())
         if any(low is not None for low in lows):  # int4 experts among them add nothing
             result += torch.cat([out.new_zeros((self.counts[expert], result.shape[1]))
                                  if low is None else low
