@@ -258,6 +258,35 @@ def test_packed_experts_split_across_two_replicas_match_one(gguf_with_tokenizer:
     assert one == split
 
 
+@pytest.mark.slow
+def test_packed_experts_failed_over_keep_every_requests_tokens(gguf_with_tokenizer: Path,
+                                                                leak_check: None) -> None:
+    """replica_restart on packed experts across the replicas: replica 1's
+    worker killed mid-generate; its requests, prompts over 64 tokens among
+    them, recompute their prefix on replica 0 and finish with the tokens of
+    an undisturbed run (a token's rows split or round by the token, so the
+    recomputed prefix is the one first computed)."""
+    import signal
+
+    from tests.models.test_moe import _stop_replica_midway
+
+    from mpexec.engine.llm import LLM
+
+    g = torch.Generator().manual_seed(9)
+    prompts_ = [{"prompt_token_ids": torch.randint(4, 389, (length,), generator=g).tolist()}
+                for length in (70, 5, 90, 12, 66, 8)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(gguf_with_tokenizer), data_parallel_size=2, enable_expert_parallel=True,
+             replica_restart=True, num_threads=1, block_size=4, quantization="auto",
+             kv_cache_memory_bytes=16 << 20, shutdown_grace_s=5.0) as llm:
+        want = [o.token_ids for o in llm.generate(prompts_, params)]
+        progress, hit = _stop_replica_midway(llm, 1, 15, signal.SIGKILL)
+        got = [o.token_ids for o in llm.generate(prompts_, params, progress=progress)]
+        failover = llm.engine.failover
+    assert hit and failover.restarts == 1 and failover.requeued_requests, failover.events
+    assert got == want
+
+
 @pytest.fixture
 def bare_gguf(tiny_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(a float Mixtral GGUF written without a vocabulary, the checkpoint
