@@ -168,6 +168,13 @@ class WorkerStalledError(WorkerDiedError):
         self.seen = seen
 
 
+def root_failure(errors: list[BaseException]) -> BaseException:
+    """Of several ranks' failures in one call, the one that names the cause: a
+    worker that died or froze (``WorkerDiedError``) before its peers' broken
+    collectives; else the first."""
+    return next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
+
+
 class WorkerStartupError(MpexecError, RuntimeError):
     """A worker failed during start-up, before it reported READY.
 

@@ -74,6 +74,10 @@ def test_a_worker_signalled_in_the_handshake_fails_start_up(
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    # the pid is named (a death here reads "queue 'reply1': writer process PID died";
-    # a frozen worker, the stall watch's "rank R (pid PID) ... stopped")
+    # the rank, pid and signal are named (a death here reads "worker rank R (pid
+    # PID) died: killed by SIGKILL (during the queue handshake: ...)"; a frozen
+    # worker, the stall watch's "rank R (pid PID) ... stopped")
     assert signalled and str(signalled[0]) in str(info.value), str(info.value)
+    assert info.value.rank is not None and f"rank {info.value.rank}" in str(info.value)
+    if action == "kill":
+        assert "SIGKILL" in str(info.value) and "queue handshake" in str(info.value)

@@ -74,7 +74,7 @@ from typing import Any
 
 from mpexec.engine.engine import Engine, EngineDeadError, EngineStats
 from mpexec.engine.request import FinishReason, Request, RequestStatus
-from mpexec.errors import WorkerDiedError
+from mpexec.errors import WorkerDiedError, root_failure
 from mpexec.outputs import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class DataParallelEngine:
             failures = self._form_dp_group(self._live())
             if failures:
                 self._pool.shutdown(wait=False)
-                raise _root_failure([exc for _, exc in sorted(failures.items())])
+                raise root_failure([exc for _, exc in sorted(failures.items())])
 
     # -- the Engine API ------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class DataParallelEngine:
             except BaseException as exc:
                 failed.append((rank, engine, held.get(rank, []), exc))
         if failed and not self.restart:
-            self.error = _root_failure([exc for *_, exc in failed])
+            self.error = root_failure([exc for *_, exc in failed])
             raise self.error
         if failed:
             self._fail_over(failed)
@@ -545,12 +545,6 @@ def _same_members(a: list[tuple[int, Engine]], b: list[tuple[int, Engine]]) -> b
     """The same DP ranks held by the very same engines."""
     return len(a) == len(b) and all(ra == rb and ea is eb
                                     for (ra, ea), (rb, eb) in zip(a, b, strict=True))
-
-
-def _root_failure(errors: list[BaseException]) -> BaseException:
-    """Of one step's failures, the one that names the cause: a worker that died
-    or hung (``WorkerDiedError``) before its peers' broken collectives."""
-    return next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
 
 
 def _dummy_step(engine: Engine) -> list[Request]:

@@ -479,7 +479,7 @@ def _join_replicas(executors: list[Executor], host: str) -> None:
     in the rendezvous, and the caller shuts them down."""
     from concurrent.futures import FIRST_EXCEPTION, wait
 
-    from mpexec.errors import WorkerDiedError
+    from mpexec.errors import root_failure
     from mpexec.executor.spec import PortReservation
 
     port = PortReservation(host, 0)
@@ -489,7 +489,7 @@ def _join_replicas(executors: list[Executor], host: str) -> None:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         errors = [e for e in (f.exception() for f in done) if e is not None]
         if errors:
-            raise next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
+            raise root_failure(errors)
     finally:
         port.close()
 

@@ -35,13 +35,13 @@ def handshake(broadcast: MessageQueue, replies: list[QueueReader], deadline: flo
     try:
         for mq in queues:
             _wait_until_ready(mq, deadline, lost)
-    except PeerDiedError as exc:
-        raise WorkerStartupError(f"a worker died during the queue handshake: {exc}") from exc
-    except QueueClosedError as exc:
+    except QueueClosedError as exc:  # a PeerDiedError too: which worker, and how
         error = None if explain_closed is None else explain_closed(exc)
         if error is None:
-            error = WorkerStartupError(f"the queue handshake was cut short: {exc}",
-                                       rank=exc.reader_rank)
+            message = (f"a worker died during the queue handshake: {exc}"
+                       if isinstance(exc, PeerDiedError)
+                       else f"the queue handshake was cut short: {exc}")
+            error = WorkerStartupError(message, rank=exc.reader_rank)
         raise error from exc
     except TimeoutError as exc:
         raise WorkerStartupError(

@@ -46,10 +46,16 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mpexec.errors import QueueClosedError, WorkerDiedError, describe_exitcode
+from mpexec.errors import (
+    QueueClosedError,
+    WorkerDiedError,
+    WorkerStartupError,
+    describe_exitcode,
+)
 from mpexec.executor.futures import CallOrder
 from mpexec.executor.launcher import WatchedWorker, WorkerHandle
 from mpexec.executor.spec import PortReservation
@@ -164,6 +170,30 @@ class Lifecycle:
                 self._callbacks.append(callback)
                 return
         _run_callback(callback)
+
+    def handshake_failure(self, exc: QueueClosedError,
+                          wait_s: float = 1.0) -> WorkerStartupError | None:
+        """A queue closed under the start-up handshake (``exc``): the worker
+        whose death closed it, by rank and how it ended, as a start-up error.
+        The monitor's record when it has one, else the first worker found
+        gone within ``wait_s`` (its exit takes a moment to be reaped after its
+        queue saw it go); None when no worker is known to be gone."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            death = self.death
+            if death is not None:
+                how = death.how or describe_exitcode(death.exitcode)
+                return WorkerStartupError(f"worker rank {death.rank} died during the queue "
+                                          f"handshake: {how}", rank=death.rank)
+            gone = next((h for h in self.handles if not h.is_alive()), None)
+            if gone is not None:
+                exit = gone.describe_exit()
+                return WorkerStartupError(f"{exit.sentence()} (during the queue handshake: "
+                                          f"{exc})", rank=exit.rank,
+                                          remote_traceback=exit.remote_traceback)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def worker_died(self, handle: WorkerHandle, how: str = "") -> bool:
         """Fail the executor because ``handle`` is gone; True for the first death.

@@ -126,7 +126,7 @@ class MultiprocExecutor(Driver):
         self.replies.attach(self.response_mqs, self.calls.lock)
         lost = None if cluster is None else cluster.lost_during_start
         handshake(mq, self.response_mqs, deadline, config.startup_timeout_s,
-                  partial(_lost_or_stalled, tick, lost))
+                  partial(_lost_or_stalled, tick, lost), explain_closed=life.handshake_failure)
 
     # -- failure -------------------------------------------------------------------
 

@@ -184,7 +184,7 @@ class RayExecutor(Driver):
         life.start_monitor()
         # the handshake's ``lost``: nothing is lost, but a cancel raises
         handshake(self.rpc_broadcast_mq, self.response_mqs, deadline, config.startup_timeout_s,
-                  lost=tick, explain_closed=partial(_death_in_handshake, life))
+                  lost=tick, explain_closed=life.handshake_failure)
 
     # -- failure ------------------------------------------------------------------
 
@@ -213,15 +213,6 @@ class RayExecutor(Driver):
             return
         assert self.ray_replies is not None
         self.ray_replies.submit(message)
-
-
-def _death_in_handshake(life: Lifecycle, exc: QueueClosedError) -> WorkerStartupError | None:
-    """The watcher tore the queues down under the handshake: which actor died."""
-    death = life.death
-    if death is None:
-        return None
-    return WorkerStartupError(f"worker rank {death.rank} died during the queue handshake: "
-                              f"{death.how}", rank=death.rank)
 
 
 def _wait_started(ray: Any, handles: list[RayWorkerHandle], deadline: float,
