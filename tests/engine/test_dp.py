@@ -212,3 +212,39 @@ def test_the_failed_replicas_teardown_aborts_none_of_the_requests_it_hands_over(
         assert not engine._teardowns[1].is_alive()
         states = [(r.is_finished, r.finish_reason) for r in held]
     assert states == [(False, None)] * 3, states  # (the shutdown after aborts them)
+
+
+def test_a_replica_that_dies_while_the_server_is_idle_is_rebuilt_without_a_request() -> None:
+    """AsyncLLM's loop sleeps while nothing runs; the dead listener wakes it and
+    it steps once to fail the replica over, so the rebuild starts at once
+    (it used to wait for the next request) and later requests find both
+    replicas serving."""
+    import asyncio
+
+    from mpexec.engine.async_llm import AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    async def one(engine: AsyncLLM, prompt: dict[str, Any]) -> list[int]:
+        outs = [o async for o in engine.generate(prompt, params)]
+        return list(outs[-1].token_ids)
+
+    async def all_of(engine: AsyncLLM) -> list[list[int]]:
+        return list(await asyncio.wait_for(
+            asyncio.gather(*(one(engine, p) for p in PROMPTS)), 60))
+
+    with AsyncLLM(llm=fake_llm(data_parallel_size=2, replica_restart=True)) as engine:
+        dp = engine.engine
+        assert isinstance(dp, DataParallelEngine)
+        dp.backoff_s = 0.0
+        os.kill(dp.replicas[1].executor.workers[0].proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while dp.failover.restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failover = dp.failover
+        assert failover.failures == 1 and failover.restarts == 1, failover.events
+        assert failover.requeued_requests == 0
+        results = asyncio.run(all_of(engine))
+        served = [e.stats.sampled_tokens for e in dp.replicas]
+    assert results == expected(params)
+    assert all(served), served  # the rebuilt replica took work

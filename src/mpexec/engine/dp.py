@@ -196,7 +196,8 @@ class DataParallelEngine:
 
     def add_dead_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` when a replica's executor reports a failure (with
-        ``restart`` the next ``step`` then fails it over)."""
+        ``restart`` the next ``step`` then fails it over: an idle engine loop
+        woken by it steps once for that, ``has_unfinished_requests``)."""
         self._dead_listeners.append(listener)
         for _, engine in self._live():
             engine.add_dead_listener(listener)
@@ -241,7 +242,13 @@ class DataParallelEngine:
         return engine.abort_request(req_id) if engine is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._orphans) or any(e.has_unfinished_requests() for _, e in self._live())
+        """Whether ``step`` has work: requests to finish, or (``restart``) a
+        replica that failed while idle, which the next step fails over, so a
+        loop woken by the dead listener rebuilds it without waiting for a
+        request."""
+        return bool(self._orphans) or any(
+            e.has_unfinished_requests() or (self.restart and e.is_dead)
+            for _, e in self._live())
 
     def step(self) -> list[Request]:
         """Step every replica with work at once; the requests that changed."""
