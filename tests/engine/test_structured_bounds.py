@@ -63,3 +63,65 @@ def test_compiled_automata_kept_are_bounded(structured: Any, leak_check: None,
     assert list(structured._indexes) == ["(c2)", "(c3)", "(c4)"]
     structured.guide(GuidedDecodingParams(choice=["c2"]))  # reused: most recent now
     assert list(structured._indexes) == ["(c3)", "(c4)", "(c2)"]
+
+
+def test_cancel_compiles_ends_a_compile_in_flight_and_refuses_later_ones(
+        structured: Any, leak_check: None) -> None:
+    """A shutting-down server does not wait a compile out (up to the time bound)."""
+    import threading
+
+    structured.compile_timeout_s = 100.0
+    errors: list[BaseException] = []
+
+    def compile_it() -> None:
+        try:
+            structured.guide(EXPLODING)
+        except ValueError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=compile_it)
+    thread.start()
+    structured.cancel_compiles()
+    thread.join(30)  # a hang guard: cancelled, it returns within a poll
+    assert not thread.is_alive() and len(errors) == 1 and "shutting down" in str(errors[0])
+    with pytest.raises(ValueError, match="shutting down"):
+        structured.guide(GuidedDecodingParams(regex="(maybe|so)"))
+
+
+def test_the_server_engine_steps_on_while_a_constraint_compiles(tiny_checkpoint: Path,
+                                                                  leak_check: None) -> None:
+    """AsyncLLM compiles constraints off the engine thread: a request sent
+    after two whose constraints take seconds to compile finishes first, the
+    slow ones end in their ValueError, and one aborted while it waited for a
+    compile thread finishes aborted."""
+    import asyncio
+
+    from mpexec.engine.async_llm import COMPILE_THREADS, AsyncLLM
+    from mpexec.outputs import SamplingParams
+
+    forkserver.ensure_running()  # one helper per session, not a leak of this test
+
+    async def last(engine: AsyncLLM, params: SamplingParams) -> Any:
+        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params)]
+        return outputs[-1]
+
+    async def main(engine: AsyncLLM) -> tuple[Any, list[Any], list[Any]]:
+        slow = [asyncio.ensure_future(last(engine, SamplingParams(
+            max_tokens=4, guided_decoding=EXPLODING))) for _ in range(COMPILE_THREADS)]
+        dropped = engine.add_request({"prompt_token_ids": [8, 9]}, SamplingParams(
+            max_tokens=4, guided_decoding=GuidedDecodingParams(regex="(yes|no)")))
+        engine.abort(dropped.request_id)
+        plain = await asyncio.wait_for(last(engine, SamplingParams(max_tokens=4)), 60)
+        assert not any(task.done() for task in slow)  # still compiling (the bound is 3 s)
+        errors = await asyncio.wait_for(asyncio.gather(*slow, return_exceptions=True), 60)
+        outputs = [o async for o in dropped]
+        return plain, errors, outputs
+
+    with AsyncLLM(str(tiny_checkpoint), num_threads=1, shutdown_grace_s=2.0,
+                  shutdown_term_s=2.0) as engine:
+        engine.engine.builder.structured_outputs().compile_timeout_s = 3.0
+        plain, errors, dropped = asyncio.run(main(engine))
+    assert len(plain.token_ids) == 4
+    assert all(isinstance(e, ValueError) and "did not compile within 3 s" in str(e)
+               for e in errors), errors
+    assert dropped[-1].finish_reason == "abort" and not dropped[-1].token_ids

@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -53,6 +54,7 @@ from mpexec.outputs import SamplingParams
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+COMPILE_THREADS = 2  # constraints compiled at once (each in a child of its own)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class _Add:
     stream: RequestStream
     token_ids: list[int]
     params: SamplingParams
+    grammar: Any = None  # its constraint's automaton, compiled off the engine thread
+    error: BaseException | None = None  # the constraint did not compile
 
 
 @dataclass
@@ -156,6 +160,12 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        # constrained requests whose automaton is being compiled, and those of
+        # them aborted meanwhile (aborted as soon as they are added)
+        self._compiler = ThreadPoolExecutor(COMPILE_THREADS,
+                                            thread_name_prefix="mpexec-grammar")
+        self._compiling: set[str] = set()
+        self._abort_on_arrival: set[str] = set()
         self._shutdown_done = False
         self.engine.add_dead_listener(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="mpexec-engine", daemon=True)
@@ -178,9 +188,24 @@ class AsyncLLM:
         req_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = RequestStream(self, req_id, text, asyncio.get_running_loop())
         stream.num_prompt_tokens = len(ids)
-        self._commands.append(_Add(stream, ids, params))
-        self._wake.set()
+        if params.guided_decoding is None:
+            self._commands.append(_Add(stream, ids, params))
+            self._wake.set()
+            return stream
+        # compiling may take seconds: the engine thread goes on stepping meanwhile
+        self._compiling.add(req_id)
+        self._compiler.submit(self.engine.builder.compile_guide, params.guided_decoding) \
+            .add_done_callback(lambda done: self._compiled(_Add(stream, ids, params), done))
         return stream
+
+    def _compiled(self, command: _Add, done: Future[Any]) -> None:
+        """(a compile thread) The constraint is compiled, or failed: queue the request."""
+        try:
+            command.grammar = done.result()
+        except BaseException as exc:  # ValueError; CancelledError at shutdown
+            command.error = exc
+        self._commands.append(command)
+        self._wake.set()
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -242,13 +267,21 @@ class AsyncLLM:
             command = self._commands.popleft()
             if isinstance(command, _Abort):
                 ids = [command.req_id] if command.req_id is not None else list(self._tracked)
+                compiling = [command.req_id] if command.req_id is not None \
+                    else list(self._compiling)
+                self._abort_on_arrival.update(i for i in compiling if i in self._compiling)
                 for req_id in ids:
                     self.engine.abort_request(req_id)
                 continue
             stream = command.stream
+            self._compiling.discard(stream.request_id)
+            aborted = stream.request_id in self._abort_on_arrival
+            self._abort_on_arrival.discard(stream.request_id)
             try:
+                if command.error is not None:
+                    raise command.error
                 request = self.engine.add_request(command.token_ids, command.params,
-                                                  stream.request_id)
+                                                  stream.request_id, grammar=command.grammar)
             except BaseException as exc:
                 self._send(stream, None, exc)
                 continue
@@ -256,6 +289,8 @@ class AsyncLLM:
             self.num_prompt_tokens += len(command.token_ids)
             text = StreamText(self.tokenizer, command.params.skip_special_tokens)
             self._tracked[stream.request_id] = _Tracked(stream, request, text)
+            if aborted:  # while its constraint compiled
+                self.engine.abort_request(stream.request_id)
 
     def _publish(self) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[Any]] = {}
@@ -333,6 +368,8 @@ class AsyncLLM:
             return
         self._shutdown_done = True
         self._stopping.set()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.engine.builder.cancel_compiles()  # each ends within a poll
         self._wake.set()
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():

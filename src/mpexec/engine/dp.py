@@ -137,6 +137,11 @@ class DataParallelEngine:
         self.error: BaseException | None = None
         self.limits = replicas[0].limits
         self.num_blocks = sum(e.num_blocks for e in replicas)  # KV blocks of all replicas
+        # one request builder for every replica, the rebuilt ones too (a
+        # request waiting for a replica is built here; a constraint compiles once)
+        self.builder = replicas[0].builder
+        for engine in replicas:
+            engine.builder = self.builder
         self._dead_listeners: list[Callable[[], None]] = []
         self._owner: dict[str, int] = {}
         self._orphans: list[Request] = []  # waiting for a live replica
@@ -209,7 +214,8 @@ class DataParallelEngine:
         return not self.restart and any(e.is_dead for _, e in self._live())
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    req_id: str | None = None, arrival_time: float | None = None) -> Request:
+                    req_id: str | None = None, arrival_time: float | None = None,
+                    grammar: Any = None) -> Request:
         self._raise_if_dead()
         if req_id is None:
             req_id = f"req-{self._next_id}"
@@ -217,15 +223,14 @@ class DataParallelEngine:
         live = [(rank, e) for rank, e in self._live() if not e.is_dead]
         if not live:
             # every replica is being rebuilt: the request waits for the first one back
-            request = Request(req_id, list(prompt_token_ids), params)
-            if arrival_time is not None:
-                request.arrival_time = arrival_time
+            request = self.builder.build(prompt_token_ids, params, req_id, arrival_time,
+                                         grammar)
             with self._lock:
                 self._orphans.append(request)
             return request
         rank, engine = min(live, key=lambda item: (*_load(item[1]), item[0]))
         request = engine.add_request(prompt_token_ids, params, req_id=req_id,
-                                     arrival_time=arrival_time)
+                                     arrival_time=arrival_time, grammar=grammar)
         self._owner[req_id] = rank
         return request
 
@@ -436,6 +441,7 @@ class DataParallelEngine:
                 engine.shutdown()
             return
         for engine in engines:
+            engine.builder = self.builder
             for listener in self._dead_listeners:
                 engine.add_dead_listener(listener)
         with self._lock:

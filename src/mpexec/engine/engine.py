@@ -69,11 +69,11 @@ from types import TracebackType
 from typing import Any
 
 from mpexec.config import ExecutorConfig
+from mpexec.engine.admission import RequestBuilder
 from mpexec.engine.block_manager import blocks_for
 from mpexec.engine.request import FinishReason, Request
 from mpexec.engine.scheduler import Scheduler, SchedulerLimits
 from mpexec.engine.stop_strings import StopStringText
-from mpexec.engine.structured import StructuredOutputs
 from mpexec.errors import MpexecError, WorkerError
 from mpexec.executor import Executor
 from mpexec.executor.verdict import death_behind
@@ -158,7 +158,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self._structured: StructuredOutputs | None = None
+        # checks and builds requests (a data-parallel front end shares one)
+        self.builder = RequestBuilder(tokenizer, vocab_size, self.eos_token_ids)
         self.async_scheduling = executor.scheduler_config.async_scheduling
         if self.async_scheduling and not executor.supports_async_scheduling():
             raise ValueError(
@@ -214,46 +215,20 @@ class Engine:
     # -- requests ----------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    req_id: str | None = None, arrival_time: float | None = None) -> Request:
+                    req_id: str | None = None, arrival_time: float | None = None,
+                    grammar: Any = None) -> Request:
         """Queue a request; ValueError if it can never run (too long, empty) or
         ``params`` do not fit the model (one request per completion: ``n`` > 1
-        is fanned out by the caller, see :func:`~mpexec.engine.request.child_params`)."""
+        is fanned out by the caller, see :func:`~mpexec.engine.request.child_params`).
+        ``grammar``: ``builder.compile_guide``'s automaton for its constraint,
+        compiled beforehand (else it is compiled here)."""
         self._raise_if_dead()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams; got "
-                            f"{type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: add one request per completion (child_params)")
-        if self.vocab_size is not None:
-            for name, ids in (("logit_bias", params.logit_bias or {}),
-                              ("stop_token_ids", params.stop_token_ids)):
-                bad = [t for t in ids if t >= self.vocab_size]
-                if bad:
-                    raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                                     f"[0, {self.vocab_size})")
         if req_id is None:
             req_id = f"req-{self._next_id}"
             self._next_id += 1
-        request = Request(req_id, list(prompt_token_ids), params)
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        if params.stop:
-            if self.tokenizer is None:
-                raise ValueError("stop strings need an engine with a tokenizer")
-            request.stop_text = StopStringText(self.tokenizer, params)
-        if params.guided_decoding is not None:
-            request.grammar = self._structured_outputs().guide(params.guided_decoding)
+        request = self.builder.build(prompt_token_ids, params, req_id, arrival_time, grammar)
         self.scheduler.add_request(request)
         return request
-
-    def _structured_outputs(self) -> StructuredOutputs:
-        if self._structured is None:
-            if self.tokenizer is None or self.vocab_size is None or not self.eos_token_ids:
-                raise ValueError("structured output needs an engine with a tokenizer, "
-                                 "the model's vocab_size and an EOS token")
-            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size,
-                                                 self.eos_token_ids[0])
-        return self._structured
 
     def abort_request(self, req_id: str) -> Request | None:
         return self.scheduler.abort_request(req_id)
@@ -331,14 +306,12 @@ class Engine:
 
     def _grammar(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The allowed-token bitmasks of the constrained requests that sample now."""
-        if self._structured is None:
-            return None
         constrained = [r for r in self.scheduler.sampling_requests(scheduler_output.step)
                        if r.grammar is not None]
         if not constrained:
             return None
-        return self._structured.grammar_output([r.req_id for r in constrained],
-                                               [r.grammar for r in constrained])
+        return self.builder.structured_outputs().grammar_output(
+            [r.req_id for r in constrained], [r.grammar for r in constrained])
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> None:
         self.stats.steps += 1

@@ -39,8 +39,13 @@ context, so nothing of this threaded process is copied)::
       nothing in time: kill, join, ValueError naming the bound
 
 so a constraint that does not compile within the bounds is a ``ValueError``
-for its request (a 400 from the server) and the engine stalls at most
-``COMPILE_TIMEOUT_S`` for it.
+for its request (a 400 from the server).  ``AsyncLLM`` (the server) compiles
+on a thread of its own (``admission.RequestBuilder``), so the batch does not
+wait for it; ``LLM`` compiles as it adds the request, at most
+``COMPILE_TIMEOUT_S``.  ``guide`` is safe from several threads (the compiled
+automata are kept under a lock; two threads that miss on one regex at once
+both compile it), and ``cancel_compiles`` ends every compile in flight, and
+refuses later ones, within ``_CANCEL_POLL_S``.
 
 ``outlines-core`` is optional (``pip install 'mpexec[serve]'``).
 """
@@ -53,6 +58,8 @@ import multiprocessing
 import pickle
 import re
 import resource
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
@@ -64,6 +71,7 @@ INSTALL_HINT = "structured output needs outlines-core: pip install 'mpexec[serve
 COMPILE_TIMEOUT_S = 30.0  # how long one constraint may take to compile
 COMPILE_MEMORY_BYTES = 4 << 30  # address space the compiling child may add
 COMPILED_KEPT = 64  # compiled automata kept for reuse (least recently used go)
+_CANCEL_POLL_S = 0.1  # how often a compile in flight looks at cancel_compiles
 
 
 def _outlines() -> Any:
@@ -170,6 +178,8 @@ class StructuredOutputs:
         self._eos_token_id = eos_token_id
         self._by_bytes = by_bytes
         self._indexes: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
         self.compile_timeout_s = COMPILE_TIMEOUT_S
         self.compile_memory_bytes = COMPILE_MEMORY_BYTES
 
@@ -178,16 +188,24 @@ class StructuredOutputs:
         one that does not compile within the time and memory bounds)."""
         oc = _outlines()
         regex = guide_regex(params)
-        index = self._indexes.get(regex)
+        with self._lock:
+            index = self._indexes.get(regex)
         if index is None:
             index = self._compile(regex)
+        with self._lock:
             self._indexes[regex] = index
+            self._indexes.move_to_end(regex)
             while len(self._indexes) > COMPILED_KEPT:
                 self._indexes.popitem(last=False)
-        self._indexes.move_to_end(regex)
         return oc.Guide(index)
 
+    def cancel_compiles(self) -> None:
+        """End every compile in flight (``ValueError``) and refuse later ones."""
+        self._cancelled.set()
+
     def _compile(self, regex: str) -> Any:
+        if self._cancelled.is_set():
+            raise ValueError("guided_decoding: the engine is shutting down")
         context = multiprocessing.get_context("forkserver")
         receive, send = context.Pipe(duplex=False)
         child = context.Process(
@@ -195,8 +213,16 @@ class StructuredOutputs:
             args=(regex, self._eos_token_id, self._by_bytes, self.compile_memory_bytes, send))
         child.start()
         send.close()
+        deadline = time.monotonic() + self.compile_timeout_s
         try:
-            reply = receive.recv() if receive.poll(self.compile_timeout_s) else None
+            reply = None
+            while not self._cancelled.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if receive.poll(min(left, _CANCEL_POLL_S)):
+                    reply = receive.recv()
+                    break
         except EOFError:  # the child died (out of its memory bound, say)
             reply = ("error", f"the compiler died (exit code {child.exitcode}, "
                               f"{self.compile_memory_bytes >> 20} MiB bound)")
@@ -205,6 +231,8 @@ class StructuredOutputs:
             if child.is_alive():
                 child.kill()
             child.join(5.0)
+        if reply is None and self._cancelled.is_set():
+            raise ValueError("guided_decoding: the engine is shutting down")
         if reply is None:
             raise ValueError(f"guided_decoding: {regex[:200]!r} did not compile within "
                              f"{self.compile_timeout_s:g} s (its automaton grows too large; "

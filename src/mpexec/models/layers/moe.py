@@ -249,7 +249,7 @@ class MoEBlock:
         return out
 
     def _run_experts(self, x: torch.Tensor, local: torch.Tensor,
-                     split: SplitRows | None) -> torch.Tensor:
+                     split: SplitRows | None = None) -> torch.Tensor:
         """Unweighted outputs of local expert ``local[i]`` on row ``x[i]``, in row order."""
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.num_local).tolist()
