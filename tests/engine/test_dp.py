@@ -248,3 +248,21 @@ def test_a_replica_that_dies_while_the_server_is_idle_is_rebuilt_without_a_reque
         served = [e.stats.sampled_tokens for e in dp.replicas]
     assert results == expected(params)
     assert all(served), served  # the rebuilt replica took work
+
+
+def test_a_request_that_waits_for_a_rebuilt_replica_is_built_as_any_other() -> None:
+    """With every replica down, a request waits in the front end; it is checked
+    and given its stop strings as a replica would (it used to be a bare
+    Request: its stop strings and constraint were lost, its token ids unchecked)."""
+    params = SamplingParams(temperature=0, max_tokens=4, stop=["xyz"])
+    with fake_llm(data_parallel_size=2, replica_restart=True) as llm:
+        engine = llm.engine
+        engine.backoff_s = 30.0  # both stay down during the test
+        engine._fail_over([(rank, e, [], RuntimeError("test: down"))
+                           for rank, e in enumerate(engine.replicas)])
+        waiting = engine.add_request([5, 6, 7], params)
+        with pytest.raises(ValueError, match="logit_bias: token id"):
+            engine.add_request([5], SamplingParams(logit_bias={10**9: 1.0}))
+        assert engine._orphans == [waiting] and waiting.stop_text is not None
+        for thread in engine._teardowns.values():
+            thread.join(30)
