@@ -215,3 +215,35 @@ def test_shared_world_replica_frozen_during_join_is_a_bounded_typed_error(
     with pytest.raises(WorkerStalledError, match="stopped"):
         make_llm(tiny_checkpoint, data_parallel_size=2)
     assert stopped
+
+
+def test_shared_world_replica_that_never_joins_is_a_bounded_start_up_error(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose workers stay alive but never reach the world's
+    rendezvous (its join call never answers): the start ends at
+    startup_timeout_s with one error naming it, not at torch's rendezvous
+    timeout, and the other replica's worker (waiting in the rendezvous) is
+    shut down with it."""
+    import concurrent.futures
+
+    from mpexec.engine import startup
+    from mpexec.errors import WorkerStartupError
+
+    join = startup._join_replicas
+
+    def one_never_answers(executors: list[Any], host: str) -> None:
+        real = executors[1].collective_rpc
+
+        def rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
+            if method == "join_data_parallel":
+                return concurrent.futures.Future()  # never done
+            return real(method, *args, **kwargs)
+
+        executors[1].collective_rpc = rpc
+        join(executors, host)
+
+    monkeypatch.setattr(startup, "_join_replicas", one_never_answers)
+    # replica 0 waits for it in the rendezvous: neither has finished
+    with pytest.raises(WorkerStartupError,
+                       match=r"DP replica\(s\) 0, 1 did not join .* within 8s"):
+        make_llm(tiny_checkpoint, data_parallel_size=2, startup_timeout_s=8.0)

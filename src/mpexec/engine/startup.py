@@ -473,23 +473,31 @@ def _replica_config(config: ExecutorConfig, parallel: ParallelConfig) -> Executo
 
 
 def _join_replicas(executors: list[Executor], host: str) -> None:
-    """Every replica's workers join one world (``mpexec.models.dp_world``).  The
-    first replica that fails (a worker that died, or froze and was named by its
+    """Every replica's workers join one world (``mpexec.models.dp_world``) and
+    load the model, within the replicas' ``startup_timeout_s``.  The first
+    replica that fails (a worker that died, or froze and was named by its
     executor's stall watch) is the error at once: its peers would wait for it
-    in the rendezvous, and the caller shuts them down."""
+    in the rendezvous, and the caller shuts them down; so is a replica that
+    has not joined in time (alive, but never arriving)."""
     from concurrent.futures import FIRST_EXCEPTION, wait
 
-    from mpexec.errors import root_failure
+    from mpexec.errors import WorkerStartupError, root_failure
     from mpexec.executor.spec import PortReservation
 
+    timeout_s = executors[0].config.startup_timeout_s
     port = PortReservation(host, 0)
     try:
         futures = [e.collective_rpc("join_data_parallel", args=(port.init_method,),
                                     non_block=True) for e in executors]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        done, late = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
         errors = [e for e in (f.exception() for f in done) if e is not None]
         if errors:
             raise root_failure(errors)
+        if late:
+            ranks = ", ".join(str(rank) for rank, f in enumerate(futures) if f in late)
+            raise WorkerStartupError(
+                f"DP replica(s) {ranks} did not join the replicas' world and load the "
+                f"model within {timeout_s:g}s (startup_timeout_s)")
     finally:
         port.close()
 
