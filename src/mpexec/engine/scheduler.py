@@ -30,7 +30,8 @@ KV connector (``kv_transfer_config``): past the prefix cache's hits, the
 connector may offer more of the prefix from outside (host memory, disk).
 Such a request gets blocks for it and waits (``WAITING_FOR_REMOTE_KVS``)
 for one step in which the workers load them; it runs once every worker
-reported the load, or, if one could not, frees those blocks and recomputes.
+reported the load, or, if one could not, frees those blocks and recomputes
+(:mod:`mpexec.engine.kv_loads` keeps the loads in flight).
 Each step carries the connector's metadata (loads, saves) to the workers.
 
 Every full block a step schedules is registered in the prefix cache (by
@@ -79,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpexec.engine.block_manager import BlockManager, blocks_for
+from mpexec.engine.kv_loads import KVLoads
 from mpexec.engine.prefix_cache import extend_hashes, root_hash
 from mpexec.engine.request import FinishReason, Request, RequestStatus
 from mpexec.models.kv_connector import (
@@ -175,11 +177,12 @@ class Scheduler:
                                    enable_caching=limits.enable_prefix_caching)
         self._root_hash = root_hash(limits.prefix_cache_namespace)
         self.connector: KVConnectorBase | None = None
+        self.loads: KVLoads | None = None  # the connector's loads (WAITING_FOR_REMOTE_KVS)
         if limits.kv_transfer_config is not None:
             self.connector = create_connector(KVTransferConfig(**limits.kv_transfer_config),
                                               KVConnectorRole.SCHEDULER)
             self.blocks.on_allocate = self.connector.blocks_allocated
-        self._loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
+            self.loads = KVLoads(self.connector, self.blocks, limits.block_size)
         # blocks are named when they can be shared or a connector stores them
         self._hashing = limits.enable_prefix_caching or self.connector is not None
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -232,7 +235,8 @@ class Scheduler:
         self.requests.clear()
         self.waiting.clear()
         self.running.clear()
-        self._loading.clear()
+        if self.loads is not None:
+            self.loads.loading.clear()
         self._in_flight.clear()
 
     def has_unfinished_requests(self) -> bool:
@@ -292,15 +296,18 @@ class Scheduler:
             budget -= count + len(drafts)
             index += 1
 
+        loading = self.loads.loading if self.loads is not None else {}
         while (not preempted and self.waiting and budget > 0 and len(batch) < room
-               and len(self.running) + len(self._loading) < self.limits.max_num_seqs):
+               and len(self.running) + len(loading) < self.limits.max_num_seqs):
             request = self.waiting[0]
             hits = self._cached_prefix(request)
             num_cached = len(hits) * self.limits.block_size
-            external = self._external_tokens(request, num_cached)
+            external = self.loads.offered(request, num_cached) if self.loads is not None else 0
             if external:
-                if not self._start_load(request, hits, external):
+                assert self.loads is not None
+                if not self.loads.start(request, hits, external):
                     break
+                self.waiting.popleft()
                 continue
             count = min(request.num_tokens - num_cached, budget)
             needed = blocks_for(num_cached + count, self.limits.block_size) - len(hits)
@@ -324,7 +331,7 @@ class Scheduler:
         # a step for the connector alone: work to send, or (nothing else in
         # flight) loads whose completion only the workers' replies can tell
         connector_work = self.connector is not None and (
-            self.connector.has_pending_work() or (bool(self._loading) and not self._in_flight))
+            self.connector.has_pending_work() or (bool(loading) and not self._in_flight))
         if not batch and not connector_work:
             return None
         for item in batch:
@@ -354,59 +361,17 @@ class Scheduler:
 
     # -- KV connector -------------------------------------------------------------------
 
-    def _external_tokens(self, request: Request, num_cached: int) -> int:
-        if (self.connector is None or request.skip_kv_load
-                or request.sampling_params.prompt_logprobs is not None):
-            return 0
-        return self.connector.get_num_new_matched_tokens(request, num_cached)
-
-    def _start_load(self, request: Request, hits: list[int], external: int) -> bool:
-        """Blocks for the cached prefix and the tokens to load; False if they do not fit."""
-        needed = external // self.limits.block_size
-        if not self.blocks.can_allocate(needed + self.blocks.num_unheld(hits)):
-            return False
-        assert self.connector is not None
-        self.waiting.popleft()
-        self.blocks.take(request.req_id, hits)
-        loaded = self.blocks.allocate(request.req_id, needed)
-        request.block_ids = hits + loaded
-        request.num_cached_blocks = len(hits)
-        request.num_cached_tokens = len(hits) * self.limits.block_size
-        request.num_external_tokens = external
-        self.blocks.stats.queries += request.num_tokens
-        self.blocks.stats.hits += request.num_cached_tokens
-        self.connector.update_state_after_alloc(request, loaded, external)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._loading[request.req_id] = request
-        return True
-
     def _finish_loads(self, kv: Any) -> None:
         """Loads every worker finished: run the request, or recompute what failed."""
-        assert self.connector is not None
-        self.connector.update_connector_output(kv)
-        invalid = kv.invalid_block_ids or set()
-        for req_id in kv.finished_recving or ():
-            request = self._loading.pop(req_id, None)
-            if request is None:
-                continue  # aborted while loading: its blocks are already free
-            loaded = request.block_ids[request.num_cached_blocks:]
-            if invalid & set(loaded):
-                logger.warning("%s: loading %d KV blocks failed; recomputing them", req_id,
-                               len(loaded))
-                first = request.num_cached_blocks
-                self.connector.load_failed(request.block_hashes[first:first + len(loaded)])
-                self.blocks.free(request.req_id, request.block_ids)
-                request.block_ids = []
-                request.num_cached_blocks = 0
-                request.skip_kv_load = True
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
-                continue
-            request.num_computed_tokens = request.num_cached_tokens + request.num_external_tokens
+        assert self.loads is not None
+        ready, failed = self.loads.finish(kv)
+        for request in ready:
             self._cache_full_blocks(request)  # the loaded blocks join the prefix cache
             request.status = RequestStatus.RUNNING
             request.needs_new_data = True
             self.running.append(request)
+        for request in failed:
+            self.waiting.appendleft(request)
 
     # -- prefix cache -----------------------------------------------------------------
 
@@ -544,7 +509,7 @@ class Scheduler:
         """Apply one step's sampled tokens; the requests that changed, in batch order."""
         batch = self._in_flight.pop(scheduler_output.step)
         kv = output.kv_connector_output if output is not None else None
-        if self.connector is not None and kv is not None:
+        if self.loads is not None and kv is not None:
             self._finish_loads(kv)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[LogprobsRow]] = {}
@@ -663,10 +628,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-            # the load in flight writes these blocks before any later step reuses them
-            del self._loading[request.req_id]
-            self.blocks.free(request.req_id, request.block_ids)
-            request.block_ids = []
+            assert self.loads is not None
+            self.loads.drop(request)
             self._forget.add(request.req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
