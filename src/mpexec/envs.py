@@ -45,6 +45,9 @@ MPEXEC_CLUSTER_CURVE                     0          encrypt the sockets between
 MPEXEC_API_KEY                           (none)     the key ``mpexec serve``
                                                     asks of every request
                                                     (when no --api-key)
+MPEXEC_MAX_CPU_WORKERS                   (unset)    CPU workers one node may
+                                                    start (unset: 4 per usable
+                                                    CPU, at least 16)
 =======================================  =========  ==========================
 
 Two more are read where they are used, not here: ``MPEXEC_CACHE_DIR`` (default
@@ -87,6 +90,7 @@ class Envs:
     node_id: str | None = None
     cluster_curve: bool = False
     api_key: str | None = field(default=None, repr=False)
+    max_cpu_workers: int | None = None
 
 
 def _parse_bool(text: str) -> bool:
@@ -188,4 +192,6 @@ def load_envs(environ: Mapping[str, str] | None = None) -> Envs:
         node_id=_read(env, "MPEXEC_NODE_ID", _parse_address, d.node_id),
         cluster_curve=_read(env, "MPEXEC_CLUSTER_CURVE", _parse_bool, d.cluster_curve),
         api_key=env.get("MPEXEC_API_KEY") or None,
+        max_cpu_workers=_read(env, "MPEXEC_MAX_CPU_WORKERS", _parse_positive_int,
+                              d.max_cpu_workers),
     )

@@ -69,3 +69,18 @@ def test_unknown_vllm_options_are_refused_by_name(tiny_checkpoint: Path) -> None
     for name, value in (("gpu_memory_utilization", 5), ("kv_cache_dtype", "nonsense")):
         with pytest.raises(TypeError, match=name):
             LLM(str(tiny_checkpoint), **{name: value})
+
+
+def test_the_cpu_worker_bound_is_the_users_to_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MPEXEC_MAX_CPU_WORKERS replaces the default bound, either way."""
+    from mpexec.engine.startup import _check_cpu_load
+
+    monkeypatch.setenv("MPEXEC_MAX_CPU_WORKERS", str(CAP + 8))
+    _check_cpu_load(CAP + 8, None, usable_cpus(), "cpu")  # allowed now
+    monkeypatch.setenv("MPEXEC_MAX_CPU_WORKERS", "2")
+    with pytest.raises(ValueError, match=r"3 CPU workers .* at most 2 start here "
+                                         r"\(MPEXEC_MAX_CPU_WORKERS\)"):
+        _check_cpu_load(3, None, usable_cpus(), "cpu")
+    monkeypatch.delenv("MPEXEC_MAX_CPU_WORKERS")
+    with pytest.raises(ValueError, match="MPEXEC_MAX_CPU_WORKERS=N allows N"):
+        _check_cpu_load(CAP + 1, None, usable_cpus(), "cpu")

@@ -58,6 +58,7 @@ from mpexec.engine.dp import DataParallelEngine, DpGroupSpec
 from mpexec.engine.engine import Engine
 from mpexec.engine.scheduler import SchedulerLimits
 from mpexec.engine.validation import check_int
+from mpexec.envs import load_envs
 from mpexec.executor import Executor
 from mpexec.models.ngram import SpeculativeConfig
 from mpexec.system.procs import usable_cpus
@@ -402,14 +403,18 @@ def _check_arguments(**values: Any) -> None:
 def _check_cpu_load(workers: int, num_threads: int | None, cpus: int, device_type: str) -> None:
     """CPU workers may outnumber the CPUs (they share them), but not without
     bound: each is a process with its own torch and its share of the model, and
-    a data_parallel_size of 1000 would fork until the machine gives out.  The
-    same for intra-op threads: OpenMP starts every one it is told to."""
-    cap = max(MIN_CPU_WORKER_CAP, CPU_WORKERS_PER_CPU * cpus)
+    a data_parallel_size of 1000 would fork until the machine gives out
+    (``MPEXEC_MAX_CPU_WORKERS`` moves the bound).  The same for intra-op
+    threads: OpenMP starts every one it is told to."""
+    chosen = load_envs().max_cpu_workers
+    cap = chosen or max(MIN_CPU_WORKER_CAP, CPU_WORKERS_PER_CPU * cpus)
     if device_type == "cpu" and workers > cap:
+        why = "MPEXEC_MAX_CPU_WORKERS" if chosen else (
+            f"{CPU_WORKERS_PER_CPU} per usable CPU, {cpus} usable, {MIN_CPU_WORKER_CAP} at "
+            "least; MPEXEC_MAX_CPU_WORKERS=N allows N")
         raise ValueError(f"data x tensor x pipeline x prefill context parallel sizes = "
                          f"{workers} CPU workers on this node; at most {cap} start here "
-                         f"({CPU_WORKERS_PER_CPU} per usable CPU, {cpus} usable, "
-                         f"{MIN_CPU_WORKER_CAP} at least)")
+                         f"({why})")
     thread_cap = CPU_WORKERS_PER_CPU * cpus
     if num_threads is not None and num_threads > thread_cap:
         raise ValueError(f"num_threads {num_threads} is more than {CPU_WORKERS_PER_CPU} "
