@@ -140,16 +140,15 @@ def test_hung_replica_without_restart_is_the_typed_error() -> None:
 
 
 def test_lockstep_failure_names_the_rank_that_died_not_its_peers() -> None:
-    from mpexec.engine.dp import _root_failure
-    from mpexec.errors import WorkerError
+    from mpexec.errors import WorkerError, root_failure
 
     peer = WorkerError("rank 0 raised PeerDiedInCollectiveError", rank=0, pid=2,
                        method="execute_model", exc_type="PeerDiedInCollectiveError",
                        remote_traceback="")
     stalled = WorkerStalledError("worker rank 0 has been stopped", rank=0, pid=1,
                                  seen="stopped")
-    assert _root_failure([peer, stalled]) is stalled
-    assert _root_failure([peer]) is peer
+    assert root_failure([peer, stalled]) is stalled
+    assert root_failure([peer]) is peer
 
 
 def test_absurd_layouts_are_refused_up_front(tmp_path: Any) -> None:
