@@ -125,3 +125,40 @@ def test_the_server_engine_steps_on_while_a_constraint_compiles(tiny_checkpoint:
     assert all(isinstance(e, ValueError) and "did not compile within 3 s" in str(e)
                for e in errors), errors
     assert dropped[-1].finish_reason == "abort" and not dropped[-1].token_ids
+
+
+def test_a_shutdown_while_constraints_compile_ends_their_streams(tiny_checkpoint: Path,
+                                                                 leak_check: None) -> None:
+    """The compile in flight is cancelled (it would take minutes), the one
+    queued behind it never starts; both streams end with an error, none hangs."""
+    import asyncio
+
+    from mpexec.engine.async_llm import COMPILE_THREADS, AsyncLLM
+    from mpexec.outputs import SamplingParams
+
+    forkserver.ensure_running()  # one helper per session, not a leak of this test
+
+    async def drain(stream: Any) -> BaseException | None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as exc:
+            return exc
+        return None
+
+    async def main(engine: AsyncLLM) -> list[BaseException | None]:
+        params = SamplingParams(max_tokens=4, guided_decoding=EXPLODING)
+        streams = [engine.add_request({"prompt_token_ids": [5, 6]}, params)
+                   for _ in range(COMPILE_THREADS + 1)]
+        await asyncio.sleep(0.5)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        return list(await asyncio.wait_for(asyncio.gather(*map(drain, streams)), 30))
+
+    engine = AsyncLLM(str(tiny_checkpoint), num_threads=1, shutdown_grace_s=2.0,
+                      shutdown_term_s=2.0)
+    try:
+        engine.engine.builder.structured_outputs().compile_timeout_s = 100.0
+        errors = asyncio.run(main(engine))
+    finally:
+        engine.shutdown()
+    assert all(e is not None and "shut" in str(e) for e in errors), errors

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -202,7 +202,10 @@ class AsyncLLM:
         """(a compile thread) The constraint is compiled, or failed: queue the request."""
         try:
             command.grammar = done.result()
-        except BaseException as exc:  # ValueError; CancelledError at shutdown
+        except CancelledError:  # shutdown: it never started
+            command.error = EngineDeadError("the engine shut down before the request's "
+                                            "constraint compiled")
+        except BaseException as exc:  # ValueError (at shutdown too: cancel_compiles)
             command.error = exc
         self._commands.append(command)
         self._wake.set()
@@ -367,9 +370,11 @@ class AsyncLLM:
         if self._shutdown_done:
             return
         self._shutdown_done = True
+        # compiles first, each ending within a poll: every request they held is
+        # in the command queue before the loop stops (and ends its stream)
+        self.engine.builder.cancel_compiles()
+        self._compiler.shutdown(wait=True, cancel_futures=True)
         self._stopping.set()
-        self._compiler.shutdown(wait=False, cancel_futures=True)
-        self.engine.builder.cancel_compiles()  # each ends within a poll
         self._wake.set()
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():
