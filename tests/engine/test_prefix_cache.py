@@ -247,3 +247,25 @@ def test_shared_prefixes_give_the_same_tokens_with_and_without_caching(
     with_cache, _hits = run(True)
     without, no_hits = run(False)
     assert with_cache == without and no_hits == 0
+
+
+def test_a_long_prompts_blocks_are_not_a_short_prompts() -> None:
+    """Packed weights round a long prompt's tokens (before its last) once and
+    split a short prompt's (``split_rule``): their blocks hold different KV,
+    so the same leading tokens are different blocks.  Long prompts share
+    with each other, short ones with each other."""
+    from mpexec.models.split_rule import SPLIT_PROMPT
+
+    head = [(3 * i) % 47 + 1 for i in range(16)]  # four full blocks of 4
+    scheduler = make_scheduler(num_blocks=256, budget=256)
+    worker = fake_worker(256)
+    cached = {}
+    for offset, (name, length) in enumerate((("long", SPLIT_PROMPT + 10),
+                                             ("long2", SPLIT_PROMPT + 20),
+                                             ("short", 20), ("short2", 24))):
+        tail = [(5 * i + offset) % 43 + 1 for i in range(length - len(head))]
+        request = req(name, head + tail)
+        scheduler.add_request(request)
+        drive(scheduler, worker=worker)
+        cached[name] = request.num_cached_tokens
+    assert cached == {"long": 0, "long2": 16, "short": 0, "short2": 16}

@@ -22,11 +22,12 @@ from tests.models.model_run_support import run_ranks, save_random_llama  # noqa:
 
 from mpexec.models.kv_cache import KVCache, ScheduledRequest, build_attention_batch  # noqa: E402
 from mpexec.models.layers.parallel import SingleRankGroup  # noqa: E402
-from mpexec.models.layers.quantized import SplitRows, row_splits, splitting  # noqa: E402
+from mpexec.models.layers.quantized import SplitRows, splitting  # noqa: E402
 from mpexec.models.layers.rotary import rope_tables  # noqa: E402
 from mpexec.models.llama import LlamaStage, load_stage  # noqa: E402
 from mpexec.models.loader import Checkpoint, open_checkpoint  # noqa: E402
 from mpexec.models.sharding import rank_share  # noqa: E402
+from mpexec.models.split_rule import row_splits  # noqa: E402
 
 pytestmark = pytest.mark.torch
 ATOL = 1e-4

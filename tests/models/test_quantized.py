@@ -173,7 +173,7 @@ def test_the_worker_splits_by_token_not_by_step() -> None:
     """Short prompts split every row, a long prompt only its last token and
     what follows; a request re-queued with its outputs (``num_prompt_tokens``
     its own prompt) splits those outputs as its decode steps did."""
-    from mpexec.models.layers.quantized import SPLIT_PROMPT
+    from mpexec.models.split_rule import SPLIT_PROMPT
     from mpexec.models.step import RequestTable
     from mpexec.outputs import NewRequestData, SamplingParams, SchedulerOutput
 

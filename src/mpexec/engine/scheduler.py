@@ -89,6 +89,7 @@ from mpexec.models.kv_connector import (
     KVTransferConfig,
     create_connector,
 )
+from mpexec.models.split_rule import split_from
 from mpexec.outputs import (
     PLACEHOLDER_TOKEN_ID,
     DraftTokenIds,
@@ -387,7 +388,8 @@ class Scheduler:
         hashes = request.block_hashes
         if len(hashes) < usable:
             extend_hashes(hashes, request.all_token_ids[:usable * self.limits.block_size],
-                          self.limits.block_size, self._root_hash)
+                          self.limits.block_size, self._root_hash,
+                          split_from(len(request.prompt_token_ids)))
         return self.blocks.find_cached(hashes[:usable])
 
     def _cache_full_blocks(self, request: Request, computed: bool = False) -> None:
@@ -405,7 +407,7 @@ class Scheduler:
             return
         if len(request.block_hashes) < full:
             extend_hashes(request.block_hashes, request.all_token_ids[:full * size], size,
-                          self._root_hash)
+                          self._root_hash, split_from(len(request.prompt_token_ids)))
         for index in range(request.num_cached_blocks, full):
             self.blocks.cache(request.block_ids[index], request.block_hashes[index])
         if computed and self.connector is not None:

@@ -29,8 +29,8 @@ import zlib
 from dataclasses import dataclass, field
 
 from mpexec.models.kv_cache import ScheduledRequest
-from mpexec.models.layers.quantized import row_splits
 from mpexec.models.sampler import SampleRequest, TokenHistory
+from mpexec.models.split_rule import row_splits
 from mpexec.outputs import PLACEHOLDER_TOKEN_ID, SamplingParams, SchedulerOutput
 
 

@@ -32,10 +32,10 @@ samples passes ``x`` as two bfloat16 parts::
     W·x  = W·high + W·low                      one kernel call on [high; low]
 
 Which rows split is a property of the token, never of the step it runs in
-(``row_splits``): every token of a prompt of up to ``SPLIT_PROMPT`` tokens,
-and of a longer prompt its last token and every token after it (the rows
-whose logits are sampled, and what each decode step feeds back); the other
-tokens of a long prompt are rounded once.  A decode row reads the weight
+(``mpexec.models.split_rule``): every token of a prompt of up to 64
+tokens, and of a longer prompt its last token and every token after it
+(the rows whose logits are sampled, and what each decode step feeds
+back); the other tokens of a long prompt are rounded once.  A decode row reads the weight
 once either way (the kernels are bound by the weight bytes), so its second
 row costs little; a long prompt is compute-bound (splitting all of a
 128-token SmolLM2 prefill took 1.6× as long), so its rows stay single.
@@ -65,15 +65,6 @@ import torch
 _KERNEL_DTYPE = torch.bfloat16
 GROUP = 32
 _ROW_TILE = 16
-
-
-SPLIT_PROMPT = 64  # prompts of at most this many tokens split every row
-
-
-def row_splits(position: int, num_prompt_tokens: int) -> bool:
-    """Does the token at ``position`` of a request whose prompt has
-    ``num_prompt_tokens`` tokens pass its activations as high + low?"""
-    return num_prompt_tokens <= SPLIT_PROMPT or position >= num_prompt_tokens - 1
 
 
 class SplitRows:
