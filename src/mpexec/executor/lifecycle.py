@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpexec.errors import (
+    PeerDiedError,
     QueueClosedError,
     WorkerDiedError,
     WorkerStartupError,
@@ -175,9 +176,10 @@ class Lifecycle:
                           wait_s: float = 1.0) -> WorkerStartupError | None:
         """A queue closed under the start-up handshake (``exc``): the worker
         whose death closed it, by rank and how it ended, as a start-up error.
-        The monitor's record when it has one, else the first worker found
-        gone within ``wait_s`` (its exit takes a moment to be reaped after its
-        queue saw it go); None when no worker is known to be gone."""
+        The monitor's record when it has one; else, when the queue saw a peer
+        die (``PeerDiedError``), the first worker found gone within ``wait_s``
+        (its exit takes a moment to be reaped); None otherwise (a queue shut
+        down under the handshake: the workers that exit then are its effect)."""
         deadline = time.monotonic() + wait_s
         while True:
             death = self.death
@@ -185,6 +187,8 @@ class Lifecycle:
                 how = death.how or describe_exitcode(death.exitcode)
                 return WorkerStartupError(f"worker rank {death.rank} died during the queue "
                                           f"handshake: {how}", rank=death.rank)
+            if not isinstance(exc, PeerDiedError):
+                return None
             gone = next((h for h in self.handles if not h.is_alive()), None)
             if gone is not None:
                 exit = gone.describe_exit()
