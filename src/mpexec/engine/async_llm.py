@@ -194,8 +194,13 @@ class AsyncLLM:
             return stream
         # compiling may take seconds: the engine thread goes on stepping meanwhile
         self._compiling.add(req_id)
-        self._compiler.submit(self.engine.builder.compile_guide, params.guided_decoding) \
-            .add_done_callback(lambda done: self._compiled(_Add(stream, ids, params), done))
+        try:
+            compiling = self._compiler.submit(self.engine.builder.compile_guide,
+                                              params.guided_decoding)
+        except RuntimeError:  # the pool is shut down: so is the engine, a moment later
+            self._compiling.discard(req_id)
+            raise EngineDeadError("the engine is shutting down") from None
+        compiling.add_done_callback(lambda done: self._compiled(_Add(stream, ids, params), done))
         return stream
 
     def _compiled(self, command: _Add, done: Future[Any]) -> None:
