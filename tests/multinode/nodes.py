@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,11 +19,23 @@ SECRET = "a-test-cluster-secret-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A loopback port free right now (the follower dials it before the leader binds)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def free_port(count: int = 1) -> int:
+    """A loopback port free right now (the follower dials it before the leader
+    binds), and with ``count`` > 1 the ``count - 1`` after it too (data
+    parallel replicas' nodes dial ``master_port + DP rank``: a port the kernel
+    picked is free, the one after it need not be)."""
+    for _ in range(100):
+        with contextlib.ExitStack() as probes:
+            probe = probes.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+            try:
+                for offset in range(1, count):
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
+            except (OSError, OverflowError):  # taken, or past 65535
+                continue
+            return port
+    raise RuntimeError(f"no {count} consecutive free loopback ports in 100 tries")
 
 
 def start_follower(port: int, node_rank: int = 1, nnodes: int = 2,

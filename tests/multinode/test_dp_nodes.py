@@ -128,7 +128,7 @@ def one_replica_tokens(tiny_checkpoint: Path) -> list[list[int]]:
 def test_replica_1_on_the_follower_gives_one_replicas_tokens(
         tiny_checkpoint: Path, one_replica_tokens: list[list[int]],
         leader_node_id: None) -> None:
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     follower = start_node(port + 1, 1, 2, "follower-1")  # replica 1's port
     try:
         with make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
@@ -159,7 +159,7 @@ def test_replica_1_on_the_follower_gives_one_replicas_tokens(
 def test_follower_killed_mid_generate_is_the_typed_error(
         tiny_checkpoint: Path, leader_node_id: None) -> None:
 
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     follower = start_node(port + 1, 1, 2, "follower-1")
     try:
         llm = make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
@@ -186,7 +186,7 @@ def test_follower_killed_with_replica_restart_loses_no_request_and_rejoins(
     over the new node's worker, once it serves (generation 1)."""
     from tests.models.test_dp_group_restart import dp_world, on_every_replica
 
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     followers = [start_node(port + 1, 1, 2, "follower-1")]
     try:
         with make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
@@ -232,7 +232,7 @@ def test_shutdown_while_a_rebuild_waits_for_the_lost_node_returns_at_once(
     the free port show the waiting executor is gone with it."""
     from tests.multinode.test_two_nodes import assert_port_free
 
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     follower = start_node(port + 1, 1, 2, "follower-1")
     try:
         llm = make_llm(tiny_checkpoint, data_parallel_size=2, nnodes=2, master_port=port,
@@ -279,7 +279,7 @@ def test_each_replica_spans_two_nodes(tiny_checkpoint: Path,
     """DP=2 x TP=2 over 4 nodes: replica 0 on nodes 0-1 (here and a follower),
     replica 1 on nodes 2-3 (both followers, at master_port + 1); each TP
     all-reduce crosses two nodes through gloo."""
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     followers = [start_node(port, 1, 4, "follower-1"), start_node(port + 1, 2, 4, "follower-2"),
                  start_node(port + 1, 3, 4, "follower-3")]
     try:
@@ -308,7 +308,7 @@ def test_two_replicas_per_node(tiny_checkpoint: Path, one_replica_tokens: list[l
                                leader_node_id: None) -> None:
     """DP=4 over 2 nodes: replicas 0-1 here, 2-3 on node 1, which runs one
     ``mpexec node`` per replica (at master_port + 2 and + 3)."""
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     followers = [start_node(port + 2, 1, 2, "follower-1"),
                  start_node(port + 3, 1, 2, "follower-1", cli=True)]
     try:
@@ -354,7 +354,7 @@ def test_experts_across_the_nodes_of_two_replicas(moe_checkpoint: Path,
     params = [greedy(2 + 3 * i) for i in range(5)]  # uneven: an idle replica runs dummies
     with make_llm(moe_checkpoint) as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     follower = start_node(port + 1, 1, 2, "follower-1")
     try:
         with make_llm(moe_checkpoint, data_parallel_size=2, enable_expert_parallel=True,

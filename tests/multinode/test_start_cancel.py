@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.usefixtures("leak_check"), pytest.mark.timeout(60)]
 @pytest.mark.parametrize("remote_replica", [False, True],
                          ids=["a-local-rank-waits", "a-remote-replica-waits"])
 def test_a_start_waiting_for_a_follower_gives_up_when_cancelled(remote_replica: bool) -> None:
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     config = two_node_config(port, tp=2, startup_timeout_s=600.0)
     if remote_replica:  # DP rank 1 wholly on node 1, driven from here with no local worker
         config = config.replace(parallel=ParallelConfig(
@@ -48,7 +48,7 @@ def test_a_start_waiting_for_a_follower_gives_up_when_cancelled(remote_replica: 
 
 
 def test_a_start_cancelled_before_it_begins_starts_nothing() -> None:
-    port = free_port()
+    port = free_port(2)  # and master_port + 1, DP rank 1's node channel
     config = two_node_config(port, tp=2, startup_timeout_s=600.0)
     cancel = threading.Event()
     cancel.set()
