@@ -389,7 +389,8 @@ class ModelWorker(WorkerBase):
             for index in range(len(stage.layers)):
                 connector.wait_for_layer_load(index)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
-        rule = None if split_rows is None else \
+        # float weights take no rule: nothing per step for them
+        rule = None if split_rows is None or stage.packed == "float" else \
             SplitRows(torch.tensor(split_rows, dtype=torch.bool, device=device))
         with splitting(rule):
             if self.is_first_stage:

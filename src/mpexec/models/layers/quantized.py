@@ -310,8 +310,8 @@ class ExpertRows:
         high_starts = torch.cumsum(sizes, 0) - sizes                 # in the sorted rows
         low_starts = torch.cumsum(lows, 0) - lows                    # in the low rows
         block_starts = high_starts + low_starts                      # in the kernel's rows
-        self.blocks = [(int(block_starts[e]), int(block_starts[e]) + counts[e] + int(lows[e]))
-                       for e in range(len(counts))]
+        self.blocks = [(start, start + count + low) for start, count, low in
+                       zip(block_starts.tolist(), counts, lows.tolist(), strict=True)]
         row = torch.arange(self.total, device=device)
         # where each sorted row's high part, and each split row's low part, sit
         self.high_at = block_starts[expert] + row - high_starts[expert]
